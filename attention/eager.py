@@ -1,0 +1,41 @@
+"""Eager attention: the whole N_q x N_k score matrix in memory, softmax, then P @ V.
+
+This is the definition every other backend is checked against (the tests run it in
+float64), and the memory-hungry baseline FlashAttention is measured against: autograd
+keeps the N_q x N_k probabilities of every layer for the backward pass.
+
+Causal convention (all backends): query i sees key j when j <= i, counting both from the
+start of their sequences ("top-left", as torch's scaled_dot_product_attention does).
+With N_q != N_k this is not the decoding convention; a single new query against a KV
+cache sees every cached key, so decoding calls attention with is_causal=False.
+"""
+import math
+
+import torch
+
+
+def causal_mask(n_q, n_k, device=None):
+    """(n_q, n_k) bool, True where query i may see key j (j <= i)."""
+    return torch.ones(n_q, n_k, dtype=torch.bool, device=device).tril()
+
+
+def eager_attention_with_lse(q, k, v, is_causal=False):
+    """O = softmax(Q K^T / sqrt(D)) V and L = logsumexp of the scaled scores (natural log).
+
+    q (..., N_q, D), k and v (..., N_k, D). The softmax runs in float32 (or float64 for
+    float64 inputs); P is cast to V's dtype for the product with V, as the kernels do.
+    L is float32 (float64 for float64 inputs), shape q.shape[:-1].
+    """
+    scale = 1.0 / math.sqrt(q.shape[-1])
+    softmax_dtype = torch.float64 if q.dtype == torch.float64 else torch.float32
+    scores = (q @ k.transpose(-2, -1)).to(softmax_dtype) * scale
+    if is_causal:
+        visible = causal_mask(q.shape[-2], k.shape[-2], q.device)
+        scores = scores.masked_fill(~visible, float("-inf"))
+    lse = torch.logsumexp(scores, dim=-1)
+    probs = torch.softmax(scores, dim=-1)
+    return probs.to(v.dtype) @ v, lse
+
+
+def eager_attention(q, k, v, is_causal=False):
+    return eager_attention_with_lse(q, k, v, is_causal)[0]

@@ -1,0 +1,11 @@
+"""PyTorch's own fused attention, the peer the Triton kernels are measured against.
+
+torch picks among its FlashAttention-2, cuDNN, memory-efficient and math kernels;
+bench.py pins each one in turn with torch.nn.attention.sdpa_kernel. Its is_causal is
+top-left (key j visible to query i when j <= i), the convention of this package.
+"""
+import torch.nn.functional as F
+
+
+def sdpa_attention(q, k, v, is_causal=False):
+    return F.scaled_dot_product_attention(q, k, v, is_causal=is_causal)
