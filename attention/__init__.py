@@ -6,15 +6,37 @@
 q is (..., N_q, D), k and v are (..., N_k, D) with the same leading dims; the result has
 q's shape and dtype. Scale 1/sqrt(D). Causal is top-left: key j is visible to query i when
 j <= i (see eager.py). This package needs only torch, triton and einops.
-"""
-from .eager import eager_attention
-from .inputs import check_inputs
-from .sdpa import sdpa_attention
 
-BACKENDS = ("eager", "sdpa")
+Backends:
+  eager       materialised softmax; the reference the others are tested against
+  tiled       FlashAttention-2 forward as a tiled PyTorch loop (teaching version)
+  triton      FlashAttention-2 forward and backward Triton kernels
+  triton_fwd  the Triton forward with the PyTorch recompute backward
+  sdpa        torch.nn.functional.scaled_dot_product_attention, the peer to beat
+"""
+import os
+
+import torch
+
+# With no GPU, the Triton backends run their kernels through Triton's interpreter (numpy), so
+# CPU users and CI exercise the real kernel source. Triton fixes that choice when its modules
+# are first imported, so it is made here, before anything below imports triton.
+if not torch.cuda.is_available():
+    os.environ.setdefault("TRITON_INTERPRET", "1")
+
+from .eager import eager_attention, eager_attention_with_lse  # noqa: E402
+from .flash_triton import FlashAttentionTriton, FlashAttentionTritonFwd  # noqa: E402
+from .inputs import check_inputs  # noqa: E402
+from .sdpa import sdpa_attention  # noqa: E402
+from .tiled import FlashAttentionPytorch  # noqa: E402
+
+BACKENDS = ("eager", "tiled", "triton", "triton_fwd", "sdpa")
 
 _BACKEND_FUNCTIONS = {
     "eager": eager_attention,
+    "tiled": FlashAttentionPytorch.apply,
+    "triton": FlashAttentionTriton.apply,
+    "triton_fwd": FlashAttentionTritonFwd.apply,
     "sdpa": sdpa_attention,
 }
 

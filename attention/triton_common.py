@@ -1,0 +1,76 @@
+"""What the Triton kernels share: layout checks, the interpreter warning, tile-config limits.
+(Whether the kernels are compiled or interpreted is decided in attention/__init__.py.)"""
+import os
+import warnings
+
+import torch
+import triton
+
+INTERPRETING = os.environ.get("TRITON_INTERPRET") == "1"
+
+# The kernels build TMA tensor descriptors on the device; Triton asks for a little global
+# scratch memory per launch to hold them.
+triton.set_allocator(lambda size, alignment, stream: torch.empty(size, dtype=torch.int8, device="cuda"))
+
+# Shared memory of the target card, the RTX 4070 Super (sm_89): 99 KB per block. Every
+# config the code can pick on such a card must fit it; tests/test_triton_configs.py
+# compiles each one for sm_89 and checks.
+ADA_SHARED_MEMORY_BYTES = 101376
+
+
+def as_4d(t):
+    """(..., N, D) -> a (B, H, N, D) view (a copy only when the leading dims cannot be viewed)."""
+    if t.dim() == 2:
+        return t[None, None]
+    if t.dim() == 3:
+        return t[:, None]
+    return t.reshape(-1, *t.shape[-3:])
+
+
+def descriptor_ready(t):
+    """t as a (B, H, N, D) view the kernels can build TMA descriptors on: a 16-byte aligned
+    base, 16-byte aligned batch/head/row strides and a non-zero row stride. The model's q, k, v
+    views always qualify; anything else (an odd slice, an expanded gradient) is copied once."""
+    t4 = as_4d(t)
+    elem = t4.element_size()
+    strides = t4.stride()[:3]
+    if t4.data_ptr() % 16 == 0 and all(s * elem % 16 == 0 for s in strides) and strides[2] > 0:
+        return t4
+    return t4.clone(memory_format=torch.contiguous_format)
+
+
+def warn_if_interpreting(t):
+    if t.device.type == "cpu":
+        if not INTERPRETING:
+            raise ValueError("q is a CPU tensor but the Triton kernels were compiled for the GPU; set "
+                             "TRITON_INTERPRET=1 before importing attention to run them on the CPU")
+        warnings.warn("Triton attention on CPU runs through the Triton interpreter: correct but slow", stacklevel=4)
+
+
+def seq_bucket(n):
+    """Autotune key for a sequence length: its power-of-two bucket, so a KV cache that grows
+    by one token a step does not re-tune at every step."""
+    return triton.next_power_of_2(max(int(n), 16))
+
+
+def shared_memory_limit(device):
+    if INTERPRETING or device.type != "cuda":
+        return ADA_SHARED_MEMORY_BYTES
+    return triton.runtime.driver.active.utils.get_device_properties(device.index or 0)["max_shared_mem"]
+
+
+def prune_configs(configs, named_args, tiles, **kwargs):
+    """Autotuner pre-filter: drop configs whose tiles would not fit the card's shared memory.
+
+    tiles(config) -> (resident, streamed): how many HEAD_DIM-wide rows a program keeps in
+    shared memory for its whole life, and how many more each pipeline stage adds."""
+    q = named_args["Q"]
+
+    def footprint(config):
+        resident, streamed = tiles(config)
+        return q.element_size() * kwargs["HEAD_DIM"] * (resident + config.num_stages * streamed)
+
+    fits = [c for c in configs if footprint(c) <= shared_memory_limit(q.device)] or [min(configs, key=footprint)]
+    if INTERPRETING:  # nothing to time: one config, the largest tiles (fewest interpreted programs)
+        return [max(fits, key=lambda c: c.kwargs["BLOCK_M"] * c.kwargs["BLOCK_N"])]
+    return fits

@@ -1,0 +1,140 @@
+"""FlashAttention-2 forward in Triton.
+
+One program computes one query tile of one (batch, head): it keeps q_tile and the running
+softmax state (m_i, l_i, acc) in registers and streams K/V tiles past them, so the
+N_q x N_k score matrix never exists in memory. It writes O and the logsumexp L once.
+
+The softmax runs in base 2 (exp2 is one instruction; log2(e) is folded into the scale), so
+m_i is a running max of base-2 logits. Causal programs visit key tiles in two stages: tiles
+wholly below the diagonal with no mask, then the few that cross the diagonal or the end of
+the keys with one. Tiles wholly above the diagonal are never loaded.
+"""
+from functools import partial
+
+import torch
+import triton
+import triton.language as tl
+
+from .triton_common import prune_configs, seq_bucket
+
+LOG2_E = 1.4426950408889634
+LN_2: tl.constexpr = 0.6931471805599453
+
+
+@triton.jit
+def _key_tile_bounds(start_m, N_K, IS_CAUSAL: tl.constexpr, BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr):
+    """Which key tiles the query tile starting at row start_m visits: [0, unmasked_end) are
+    visible to all its rows and lie inside N_K; [unmasked_end, end) need the mask. Causal:
+    keys past the tile's last row are never visited."""
+    unmasked_end = (N_K // BLOCK_N) * BLOCK_N
+    end = N_K
+    if IS_CAUSAL:
+        unmasked_end = tl.minimum(unmasked_end, (start_m + 1) // BLOCK_N * BLOCK_N)
+        end = tl.minimum(start_m + BLOCK_M, N_K)
+    return unmasked_end, end
+
+
+@triton.jit
+def _fwd_key_tiles(acc, l_i, m_i, q_tile, k_desc, v_desc, start_n, end_n, rows, N_K, qk_scale,
+                   MASKED: tl.constexpr, IS_CAUSAL: tl.constexpr, BLOCK_N: tl.constexpr):
+    """The online-softmax update over key tiles [start_n, end_n): for each tile, rescale what
+    was accumulated by exp2(m_old - m_new) and add this tile's share."""
+    for tile_start in range(start_n, end_n, BLOCK_N):
+        k_tile = k_desc.load([tile_start, 0])
+        s = tl.dot(q_tile, tl.trans(k_tile)) * qk_scale  # base-2 logits, (BLOCK_M, BLOCK_N)
+        if MASKED:  # this tile crosses the diagonal or runs past the last key
+            cols = tile_start + tl.arange(0, BLOCK_N)
+            visible = cols[None, :] < N_K
+            if IS_CAUSAL:
+                visible = visible & (cols[None, :] <= rows[:, None])
+            s = tl.where(visible, s, float("-inf"))
+        m_new = tl.maximum(m_i, tl.max(s, 1))
+        p = tl.exp2(s - m_new[:, None])
+        alpha = tl.exp2(m_i - m_new)  # how much the old maximum overstated the new one
+        l_i = l_i * alpha + tl.sum(p, 1)
+        v_tile = v_desc.load([tile_start, 0])
+        acc = tl.dot(p.to(v_tile.dtype), v_tile, acc * alpha[:, None])
+        m_i = m_new
+    return acc, l_i, m_i
+
+
+@triton.jit
+def _head_matrix(T, bh, H, stride_b, stride_h, stride_n, N, HEAD_DIM: tl.constexpr, BLOCK: tl.constexpr):
+    """A TMA tensor descriptor over the (N, HEAD_DIM) matrix of batch-head bh, read and written
+    in (BLOCK, HEAD_DIM) tiles through its strides: the model's q, k, v are strided views of
+    one fused projection and are never copied. Rows past N read as zeros and are never written."""
+    b = (bh // H).to(tl.int64)
+    h = (bh % H).to(tl.int64)
+    return tl.make_tensor_descriptor(T + b * stride_b + h * stride_h, shape=[N, HEAD_DIM], strides=[stride_n, 1],
+                                     block_shape=[BLOCK, HEAD_DIM])
+
+
+@triton.jit
+def _attn_fwd(Q, K, V, O, L,
+              stride_qb, stride_qh, stride_qn, stride_kb, stride_kh, stride_kn,
+              stride_vb, stride_vh, stride_vn, stride_ob, stride_oh, stride_on,
+              H, N_Q, N_K, qk_scale, N_Q_BUCKET, N_K_BUCKET,
+              IS_CAUSAL: tl.constexpr, HEAD_DIM: tl.constexpr, BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr):
+    # Causal query tiles near the end have the most keys to visit: launch them first so the
+    # short ones fill in the gaps at the end of the grid.
+    tile_m = tl.program_id(0)
+    if IS_CAUSAL:
+        tile_m = tl.num_programs(0) - 1 - tile_m
+    start_m = tile_m * BLOCK_M
+    bh = tl.program_id(1)
+    q_desc = _head_matrix(Q, bh, H, stride_qb, stride_qh, stride_qn, N_Q, HEAD_DIM, BLOCK_M)
+    k_desc = _head_matrix(K, bh, H, stride_kb, stride_kh, stride_kn, N_K, HEAD_DIM, BLOCK_N)
+    v_desc = _head_matrix(V, bh, H, stride_vb, stride_vh, stride_vn, N_K, HEAD_DIM, BLOCK_N)
+    o_desc = _head_matrix(O, bh, H, stride_ob, stride_oh, stride_on, N_Q, HEAD_DIM, BLOCK_M)
+
+    rows = start_m + tl.arange(0, BLOCK_M)
+    m_i = tl.full([BLOCK_M], float("-inf"), dtype=tl.float32)
+    l_i = tl.zeros([BLOCK_M], dtype=tl.float32)
+    acc = tl.zeros([BLOCK_M, HEAD_DIM], dtype=tl.float32)
+    q_tile = q_desc.load([start_m, 0])
+
+    unmasked_end, end = _key_tile_bounds(start_m, N_K, IS_CAUSAL, BLOCK_M, BLOCK_N)
+    acc, l_i, m_i = _fwd_key_tiles(acc, l_i, m_i, q_tile, k_desc, v_desc, 0, unmasked_end, rows, N_K,
+                                   qk_scale, False, IS_CAUSAL, BLOCK_N)
+    acc, l_i, m_i = _fwd_key_tiles(acc, l_i, m_i, q_tile, k_desc, v_desc, unmasked_end, end, rows, N_K,
+                                   qk_scale, True, IS_CAUSAL, BLOCK_N)
+
+    # Normalise once, at the end. Every row saw key 0, so l_i >= 1.
+    o_desc.store([start_m, 0], (acc / l_i[:, None]).to(O.dtype.element_ty))
+    lse = (m_i + tl.log2(l_i)) * LN_2  # back to natural log
+    tl.store(L + bh * N_Q + rows, lse, mask=rows < N_Q)
+
+
+def _tiles(config):
+    # q_tile stays resident; each pipeline stage holds one K and one V tile.
+    return config.kwargs["BLOCK_M"], 2 * config.kwargs["BLOCK_N"]
+
+
+FORWARD_CONFIGS = [
+    triton.Config({"BLOCK_M": bm, "BLOCK_N": bn}, num_warps=w, num_stages=s)
+    for bm in (64, 128) for bn in (32, 64, 128) for w in (4, 8) for s in (2, 3, 4)
+]
+
+
+_attn_fwd_tuned = triton.autotune(FORWARD_CONFIGS, key=["N_Q_BUCKET", "N_K_BUCKET", "HEAD_DIM", "IS_CAUSAL"],
+                                  prune_configs_by={"early_config_prune": partial(prune_configs, tiles=_tiles)})(_attn_fwd)
+
+
+def flash_forward(q, k, v, is_causal, config=None):
+    """q, k, v: (B, H, N, D) descriptor-ready views. Returns O (B, H, N_q, D) in q's dtype
+    and L (B, H, N_q) float32. config: a triton.Config to bypass the autotuner (tests)."""
+    B, H, N_Q, D = q.shape
+    N_K = k.shape[2]
+    o = torch.empty_like(q, memory_format=torch.contiguous_format)
+    lse = torch.empty((B, H, N_Q), dtype=torch.float32, device=q.device)
+    if N_K == 0:  # no key to attend to (TMA cannot describe an empty matrix): O = 0, L = -inf
+        return o.zero_(), lse.fill_(float("-inf"))
+    if o.numel() == 0:
+        return o, lse
+    args = (q, k, v, o, lse, *q.stride()[:3], *k.stride()[:3], *v.stride()[:3], *o.stride()[:3],
+            H, N_Q, N_K, D ** -0.5 * LOG2_E, seq_bucket(N_Q), seq_bucket(N_K))
+    kernel = _attn_fwd_tuned if config is None else _attn_fwd
+    extra = {} if config is None else config.all_kwargs()
+    grid = lambda meta: (triton.cdiv(N_Q, meta["BLOCK_M"]), B * H)
+    kernel[grid](*args, IS_CAUSAL=is_causal, HEAD_DIM=D, **extra)
+    return o, lse
