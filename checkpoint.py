@@ -1,0 +1,59 @@
+"""Checkpoints that survive being killed mid-write, and clear errors for bad ones.
+
+save_checkpoint writes to ckpt.pt.tmp in the same folder, flushes and fsyncs it, then
+os.replace()s it over ckpt.pt. A rename within one filesystem is atomic, so a process
+killed at any moment (SIGKILL included) leaves ckpt.pt as either the previous complete
+checkpoint or the new complete one; at worst a stale ckpt.pt.tmp stays behind, and the
+next save overwrites it.
+
+Checkpoints hold only tensors and plain Python values, so they load with
+torch.load(weights_only=True), which cannot run code hidden in a tampered file.
+"""
+import os
+
+import torch
+
+CHECKPOINT_NAME = "ckpt.pt"
+
+
+class CheckpointError(RuntimeError):
+    pass
+
+
+def checkpoint_path(out_dir):
+    return os.path.join(out_dir, CHECKPOINT_NAME)
+
+
+def save_checkpoint(state, out_dir):
+    os.makedirs(out_dir, exist_ok=True)
+    path = checkpoint_path(out_dir)
+    tmp_path = path + ".tmp"
+    with open(tmp_path, "wb") as f:
+        torch.save(state, f)
+        f.flush()
+        os.fsync(f.fileno())
+    os.replace(tmp_path, path)
+    # Make the rename itself durable too (it lives in the directory entry).
+    dir_fd = os.open(out_dir, os.O_RDONLY)
+    try:
+        os.fsync(dir_fd)
+    finally:
+        os.close(dir_fd)
+    return path
+
+
+def load_checkpoint(out_dir, map_location="cpu"):
+    path = checkpoint_path(out_dir)
+    if not os.path.exists(path):
+        raise CheckpointError(f"no checkpoint at {path}: train one first, or check out_dir")
+    try:
+        state = torch.load(path, map_location=map_location, weights_only=True)
+    except Exception as e:
+        raise CheckpointError(f"{path} cannot be read, it is truncated or corrupt ({type(e).__name__}: "
+                              f"{e}). Restore it from a copy, or train from scratch") from None
+    if not isinstance(state, dict):
+        raise CheckpointError(f"{path} is not a nanoFA2 checkpoint (it holds a {type(state).__name__})")
+    missing = [key for key in ("model", "model_args", "iter") if key not in state]
+    if missing:
+        raise CheckpointError(f"{path} is not a nanoFA2 checkpoint (it lacks {', '.join(missing)})")
+    return state

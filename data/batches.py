@@ -1,0 +1,101 @@
+"""Token files on disk -> checked memmaps -> random (x, y) batches for training.
+
+A data folder holds train.bin and val.bin (flat arrays of token ids) and meta.json,
+written by a prepare script, saying their dtype, vocabulary size and token counts.
+open_split checks a file against meta.json before any training starts, so a missing,
+empty, truncated or wrong-dtype file, or a block_size longer than the data, is a clear
+DataError rather than a crash or silent garbage half an hour into a run.
+"""
+import json
+import os
+
+import numpy as np
+import torch
+
+SPLITS = ("train", "val")
+
+
+class DataError(RuntimeError):
+    pass
+
+
+def is_prepared(data_dir):
+    """True when meta.json and both token files exist (prepare writes meta.json last)."""
+    names = ["meta.json"] + [f"{split}.bin" for split in SPLITS]
+    return all(os.path.exists(os.path.join(data_dir, name)) for name in names)
+
+
+def read_meta(data_dir):
+    path = os.path.join(data_dir, "meta.json")
+    try:
+        with open(path) as f:
+            meta = json.load(f)
+    except FileNotFoundError:
+        raise DataError(f"{path} is missing: prepare the data first "
+                        "(python data/shakespeare/prepare.py)") from None
+    except (OSError, ValueError) as e:
+        raise DataError(f"{path} is unreadable ({e}): prepare the data again") from None
+    missing = [key for key in ("dtype", "vocab_size", "train_tokens", "val_tokens") if key not in meta]
+    if missing:
+        raise DataError(f"{path} lacks {', '.join(missing)}: prepare the data again")
+    return meta
+
+
+def open_split(data_dir, split, meta, block_size):
+    """The split's tokens as a read-only memmap, after checking size, dtype and ids."""
+    path = os.path.join(data_dir, f"{split}.bin")
+    redo = "prepare the data again (python data/shakespeare/prepare.py)"
+    try:
+        size = os.path.getsize(path)
+    except FileNotFoundError:
+        raise DataError(f"{path} is missing: {redo}") from None
+    if size == 0:
+        raise DataError(f"{path} is empty: {redo}")
+    dtype = np.dtype(meta["dtype"])
+    count = meta[f"{split}_tokens"]
+    expected = count * dtype.itemsize
+    if size != expected:
+        if size % count == 0 and size // count != dtype.itemsize:
+            found = f"{size // count} bytes per token, not {dtype.itemsize} ({dtype.name}): wrong dtype?"
+        elif size < expected:
+            found = "truncated"
+        else:
+            found = "longer than meta.json says"
+        raise DataError(f"{path} is {size:,} bytes but meta.json says {count:,} {dtype.name} tokens "
+                        f"= {expected:,} bytes; {found}. {redo}")
+    tokens = np.memmap(path, dtype=dtype, mode="r")
+    largest = int(tokens.max())
+    if largest >= meta["vocab_size"]:
+        raise DataError(f"{path} holds token id {largest}, outside the vocabulary of "
+                        f"{meta['vocab_size']} (wrong dtype or a different tokenizer?). {redo}")
+    if len(tokens) <= block_size:
+        raise DataError(f"block_size={block_size} needs at least {block_size + 1} tokens per sample, "
+                        f"but {path} has {len(tokens):,}; use a smaller block_size")
+    return tokens
+
+
+class Batches:
+    """Random windows of block_size tokens; y is x shifted by one (next-token targets).
+
+    Every draw takes a torch.Generator, so the trainer can checkpoint the training
+    sampler's state and resume with exactly the batches an uninterrupted run would see,
+    and evaluation can use a generator of its own that leaves training's untouched.
+    """
+
+    def __init__(self, data_dir, block_size, batch_size, device):
+        meta = read_meta(data_dir)
+        self.vocab_size = meta["vocab_size"]
+        self.splits = {split: open_split(data_dir, split, meta, block_size) for split in SPLITS}
+        self.block_size = block_size
+        self.batch_size = batch_size
+        self.device = torch.device(device)
+
+    def get(self, split, generator):
+        tokens = self.splits[split]
+        starts = torch.randint(len(tokens) - self.block_size, (self.batch_size,), generator=generator)
+        x = torch.from_numpy(np.stack([tokens[i:i + self.block_size] for i in starts.tolist()]).astype(np.int64))
+        y = torch.from_numpy(np.stack([tokens[i + 1:i + 1 + self.block_size] for i in starts.tolist()]).astype(np.int64))
+        if self.device.type == "cuda":
+            # Pinned host memory lets the copy run asynchronously while the GPU is busy.
+            return x.pin_memory().to(self.device, non_blocking=True), y.pin_memory().to(self.device, non_blocking=True)
+        return x, y

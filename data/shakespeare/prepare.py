@@ -1,0 +1,133 @@
+"""TinyShakespeare -> GPT-2 BPE token files train.bin and val.bin, plus meta.json.
+
+    python data/shakespeare/prepare.py [--input PATH] [--out_dir DIR]
+
+input.txt comes from the first of: --input PATH, the environment variable
+TINYSHAKESPEARE_PATH, a copy already in the output folder, or a download of the char-rnn
+copy nanoGPT uses. The first 90% of characters become train, the last 10% val; with the
+real file that is 301,966 and 36,059 tokens. Tokens are stored as uint16 (GPT-2's 50,257
+ids fit), and meta.json records the dtype, vocabulary and token counts so the trainer can
+tell a truncated or wrong-dtype file from a good one.
+
+Every file is written to a temporary name in the same folder and renamed into place, so a
+run killed half way leaves either the old file or the new one, never a torn one; meta.json
+is removed first and written last, so its presence means the bins beside it are complete.
+Running the script twice is harmless.
+"""
+import argparse
+import json
+import os
+import sys
+import urllib.error
+import urllib.request
+
+import numpy as np
+
+DEFAULT_OUT_DIR = os.path.dirname(os.path.abspath(__file__))
+DOWNLOAD_URL = "https://raw.githubusercontent.com/karpathy/char-rnn/master/data/tinyshakespeare/input.txt"
+ENV_VAR = "TINYSHAKESPEARE_PATH"
+ENCODING = "gpt2"
+TOKEN_DTYPE = np.uint16
+TRAIN_FRACTION = 0.9
+
+
+class PrepareError(RuntimeError):
+    pass
+
+
+def prepare(out_dir=DEFAULT_OUT_DIR, input_path=None):
+    """Write train.bin, val.bin and meta.json into out_dir; return the meta dict."""
+    os.makedirs(out_dir, exist_ok=True)
+    text = read_text(find_input(out_dir, input_path))
+    encoder = load_encoder()
+    split_at = int(len(text) * TRAIN_FRACTION)
+    splits = {"train": text[:split_at], "val": text[split_at:]}
+
+    meta_path = os.path.join(out_dir, "meta.json")
+    if os.path.exists(meta_path):
+        os.remove(meta_path)
+    meta = {"encoding": ENCODING, "vocab_size": encoder.n_vocab, "dtype": np.dtype(TOKEN_DTYPE).name}
+    for split, split_text in splits.items():
+        tokens = np.array(encoder.encode_ordinary(split_text), dtype=TOKEN_DTYPE)
+        write_atomically(os.path.join(out_dir, f"{split}.bin"), tokens.tobytes())
+        meta[f"{split}_tokens"] = len(tokens)
+    write_atomically(meta_path, (json.dumps(meta, indent=2) + "\n").encode())
+    return meta
+
+
+def find_input(out_dir, input_path):
+    """The path of input.txt, downloading it into out_dir when no local copy is named or found."""
+    if input_path is not None:
+        if not os.path.isfile(input_path):
+            raise PrepareError(f"--input {input_path!r}: no such file")
+        return input_path
+    env_path = os.environ.get(ENV_VAR)
+    if env_path:
+        if not os.path.isfile(env_path):
+            raise PrepareError(f"{ENV_VAR}={env_path!r}: no such file")
+        return env_path
+    local_path = os.path.join(out_dir, "input.txt")
+    if os.path.isfile(local_path):
+        return local_path
+    print(f"downloading {DOWNLOAD_URL}")
+    try:
+        with urllib.request.urlopen(DOWNLOAD_URL, timeout=60) as response:
+            body = response.read()
+    except (urllib.error.URLError, OSError) as e:
+        raise PrepareError(
+            f"no TinyShakespeare input.txt found and the download failed ({e}).\n"
+            f"Put the file at {local_path}, or pass --input PATH, or set {ENV_VAR}=PATH."
+        ) from None
+    write_atomically(local_path, body)
+    return local_path
+
+
+def read_text(path):
+    try:
+        with open(path, encoding="utf-8") as f:
+            text = f.read()
+    except (OSError, UnicodeDecodeError) as e:
+        raise PrepareError(f"cannot read {path!r} as UTF-8 text: {e}") from None
+    if not text:
+        raise PrepareError(f"{path!r} is empty")
+    return text
+
+
+def load_encoder():
+    import tiktoken  # imported here so the error below can say plainly what is missing
+
+    try:
+        return tiktoken.get_encoding(ENCODING)
+    except Exception as e:
+        raise PrepareError(
+            f"tiktoken could not load the {ENCODING!r} encoding ({type(e).__name__}: {e}).\n"
+            "tiktoken downloads its vocabulary files once and caches them; offline, set "
+            "TIKTOKEN_CACHE_DIR to a folder that holds them (see README.md, 'Offline data')."
+        ) from None
+
+
+def write_atomically(path, payload):
+    """Write bytes to path so that a crash at any moment leaves the old file or the new one."""
+    tmp_path = path + ".tmp"
+    with open(tmp_path, "wb") as f:
+        f.write(payload)
+        f.flush()
+        os.fsync(f.fileno())
+    os.replace(tmp_path, path)
+
+
+def main():
+    parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
+    parser.add_argument("--input", help=f"path of input.txt (else ${ENV_VAR}, a copy in --out_dir, or a download)")
+    parser.add_argument("--out_dir", default=DEFAULT_OUT_DIR, help="folder for train.bin, val.bin, meta.json")
+    args = parser.parse_args()
+    try:
+        meta = prepare(args.out_dir, args.input)
+    except PrepareError as e:
+        sys.exit(f"prepare error: {e}")
+    print(f"train.bin has {meta['train_tokens']:,} tokens, val.bin has {meta['val_tokens']:,} tokens "
+          f"({meta['dtype']}, {meta['encoding']} encoding) in {args.out_dir}")
+
+
+if __name__ == "__main__":
+    main()
