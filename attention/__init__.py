@@ -15,14 +15,18 @@ Backends:
   sdpa        torch.nn.functional.scaled_dot_product_attention, the peer to beat
 """
 import os
+import sys
 
 import torch
 
 # With no GPU, the Triton backends run their kernels through Triton's interpreter (numpy), so
 # CPU users and CI exercise the real kernel source. Triton fixes that choice when its modules
 # are first imported, so it is made here, before anything below imports triton.
-if not torch.cuda.is_available():
-    os.environ.setdefault("TRITON_INTERPRET", "1")
+if not torch.cuda.is_available() and "TRITON_INTERPRET" not in os.environ:
+    if "triton" in sys.modules:
+        raise ImportError("triton was imported before attention on a machine without a GPU, so its kernels "
+                          "cannot run in the Triton interpreter: import attention first, or set TRITON_INTERPRET=1")
+    os.environ["TRITON_INTERPRET"] = "1"
 
 from .eager import eager_attention, eager_attention_with_lse  # noqa: E402
 from .flash_triton import FlashAttentionTriton, FlashAttentionTritonFwd  # noqa: E402

@@ -16,37 +16,38 @@ import torch
 import triton
 import triton.language as tl
 
-from .triton_common import prune_configs, seq_bucket
-from .triton_forward import LOG2_E, _head_matrix, _key_tile_bounds
+from .triton_common import has_tma, prune_configs, seq_bucket
+from .triton_forward import LOG2_E, _head_matrix, _key_tile_bounds, _load_tile, _store_tile
 
-LOG2_E_: tl.constexpr = LOG2_E
+LOG2_E_ = tl.constexpr(LOG2_E)
 
 
-@triton.jit
+@triton.jit(do_not_specialize=["N_Q"])
 def _bwd_preprocess(O, dO, Delta, stride_ob, stride_oh, stride_on, stride_dob, stride_doh, stride_don,
-                    H, N_Q, HEAD_DIM: tl.constexpr, BLOCK_M: tl.constexpr):
+                    H, N_Q, HEAD_DIM: tl.constexpr, USE_TMA: tl.constexpr, BLOCK_M: tl.constexpr):
     start_m = tl.program_id(0) * BLOCK_M
     bh = tl.program_id(1)
-    o_desc = _head_matrix(O, bh, H, stride_ob, stride_oh, stride_on, N_Q, HEAD_DIM, BLOCK_M)
-    do_desc = _head_matrix(dO, bh, H, stride_dob, stride_doh, stride_don, N_Q, HEAD_DIM, BLOCK_M)
-    o_tile = o_desc.load([start_m, 0]).to(tl.float32)
-    do_tile = do_desc.load([start_m, 0]).to(tl.float32)
+    O = _head_matrix(O, bh, H, stride_ob, stride_oh, stride_on, N_Q, HEAD_DIM, BLOCK_M, USE_TMA)
+    dO = _head_matrix(dO, bh, H, stride_dob, stride_doh, stride_don, N_Q, HEAD_DIM, BLOCK_M, USE_TMA)
+    o_tile = _load_tile(O, start_m, N_Q, stride_on, BLOCK_M, HEAD_DIM, USE_TMA).to(tl.float32)
+    do_tile = _load_tile(dO, start_m, N_Q, stride_don, BLOCK_M, HEAD_DIM, USE_TMA).to(tl.float32)
     rows = start_m + tl.arange(0, BLOCK_M)
     tl.store(Delta + bh * N_Q + rows, tl.sum(o_tile * do_tile, 1), mask=rows < N_Q)
 
 
 @triton.jit
-def _dkdv_query_tiles(dk, dv, k_tile, v_tile, q_desc, do_desc, LSE, DELTA, start_m, end_m, cols, N_Q, qk_scale,
-                      MASKED: tl.constexpr, BLOCK_M: tl.constexpr):
+def _dkdv_query_tiles(dk, dv, k_tile, v_tile, Q, dO, stride_qn, stride_don, LSE, Delta, start_m, end_m, cols, N_Q,
+                      qk_scale, MASKED: tl.constexpr, HEAD_DIM: tl.constexpr, BLOCK_M: tl.constexpr,
+                      USE_TMA: tl.constexpr):
     """Add the contributions of query tiles [start_m, end_m) to this K/V tile's dK, dV.
     Everything is transposed (keys along rows) so the accumulators keep the K/V tile's shape."""
     for tile_start in range(start_m, end_m, BLOCK_M):
         rows = tile_start + tl.arange(0, BLOCK_M)
-        q_tile = q_desc.load([tile_start, 0])
-        do_tile = do_desc.load([tile_start, 0])
+        q_tile = _load_tile(Q, tile_start, N_Q, stride_qn, BLOCK_M, HEAD_DIM, USE_TMA)
+        do_tile = _load_tile(dO, tile_start, N_Q, stride_don, BLOCK_M, HEAD_DIM, USE_TMA)
         # Rows past N_Q read L = +inf, so their probabilities are exactly 0 and need no mask.
         lse2 = tl.load(LSE + rows, mask=rows < N_Q, other=float("inf")) * LOG2_E_
-        delta = tl.load(DELTA + rows, mask=rows < N_Q, other=0.0)
+        delta = tl.load(Delta + rows, mask=rows < N_Q, other=0.0)
         p_t = tl.exp2(tl.dot(k_tile, tl.trans(q_tile)) * qk_scale - lse2[None, :])  # P^T, (BLOCK_N, BLOCK_M)
         if MASKED:  # this query tile crosses the diagonal: key j is visible to query i when j <= i
             p_t = tl.where(cols[:, None] <= rows[None, :], p_t, 0.0)
@@ -57,27 +58,28 @@ def _dkdv_query_tiles(dk, dv, k_tile, v_tile, q_desc, do_desc, LSE, DELTA, start
     return dk, dv
 
 
-@triton.jit
+@triton.jit(do_not_specialize=["N_Q", "N_K"])
 def _bwd_dkdv(Q, K, V, dO, dK, dV, LSE, Delta,
               stride_qb, stride_qh, stride_qn, stride_kb, stride_kh, stride_kn,
               stride_vb, stride_vh, stride_vn, stride_dob, stride_doh, stride_don,
               stride_dkb, stride_dkh, stride_dkn, stride_dvb, stride_dvh, stride_dvn,
               H, N_Q, N_K, qk_scale, sm_scale, N_Q_BUCKET, N_K_BUCKET,
-              IS_CAUSAL: tl.constexpr, HEAD_DIM: tl.constexpr, BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr):
+              IS_CAUSAL: tl.constexpr, HEAD_DIM: tl.constexpr, USE_TMA: tl.constexpr,
+              BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr):
     start_n = tl.program_id(0) * BLOCK_N
     bh = tl.program_id(1)
-    q_desc = _head_matrix(Q, bh, H, stride_qb, stride_qh, stride_qn, N_Q, HEAD_DIM, BLOCK_M)
-    do_desc = _head_matrix(dO, bh, H, stride_dob, stride_doh, stride_don, N_Q, HEAD_DIM, BLOCK_M)
-    k_desc = _head_matrix(K, bh, H, stride_kb, stride_kh, stride_kn, N_K, HEAD_DIM, BLOCK_N)
-    v_desc = _head_matrix(V, bh, H, stride_vb, stride_vh, stride_vn, N_K, HEAD_DIM, BLOCK_N)
-    dk_desc = _head_matrix(dK, bh, H, stride_dkb, stride_dkh, stride_dkn, N_K, HEAD_DIM, BLOCK_N)
-    dv_desc = _head_matrix(dV, bh, H, stride_dvb, stride_dvh, stride_dvn, N_K, HEAD_DIM, BLOCK_N)
+    Q = _head_matrix(Q, bh, H, stride_qb, stride_qh, stride_qn, N_Q, HEAD_DIM, BLOCK_M, USE_TMA)
+    dO = _head_matrix(dO, bh, H, stride_dob, stride_doh, stride_don, N_Q, HEAD_DIM, BLOCK_M, USE_TMA)
+    K = _head_matrix(K, bh, H, stride_kb, stride_kh, stride_kn, N_K, HEAD_DIM, BLOCK_N, USE_TMA)
+    V = _head_matrix(V, bh, H, stride_vb, stride_vh, stride_vn, N_K, HEAD_DIM, BLOCK_N, USE_TMA)
+    dK = _head_matrix(dK, bh, H, stride_dkb, stride_dkh, stride_dkn, N_K, HEAD_DIM, BLOCK_N, USE_TMA)
+    dV = _head_matrix(dV, bh, H, stride_dvb, stride_dvh, stride_dvn, N_K, HEAD_DIM, BLOCK_N, USE_TMA)
     LSE += bh * N_Q
     Delta += bh * N_Q
 
     cols = start_n + tl.arange(0, BLOCK_N)
-    k_tile = k_desc.load([start_n, 0])  # keys past N_K read as zeros; their rows are never stored
-    v_tile = v_desc.load([start_n, 0])
+    k_tile = _load_tile(K, start_n, N_K, stride_kn, BLOCK_N, HEAD_DIM, USE_TMA)  # keys past N_K: zeros, never stored
+    v_tile = _load_tile(V, start_n, N_K, stride_vn, BLOCK_N, HEAD_DIM, USE_TMA)
     dk = tl.zeros([BLOCK_N, HEAD_DIM], dtype=tl.float32)
     dv = tl.zeros([BLOCK_N, HEAD_DIM], dtype=tl.float32)
 
@@ -88,21 +90,22 @@ def _bwd_dkdv(Q, K, V, dO, dK, dV, LSE, Delta,
     if IS_CAUSAL:
         start_m = start_n // BLOCK_M * BLOCK_M
         unmasked_start = tl.minimum(tl.cdiv(start_n + BLOCK_N - 1, BLOCK_M) * BLOCK_M, tl.cdiv(N_Q, BLOCK_M) * BLOCK_M)
-    dk, dv = _dkdv_query_tiles(dk, dv, k_tile, v_tile, q_desc, do_desc, LSE, Delta, start_m, unmasked_start, cols,
-                               N_Q, qk_scale, True, BLOCK_M)
-    dk, dv = _dkdv_query_tiles(dk, dv, k_tile, v_tile, q_desc, do_desc, LSE, Delta, unmasked_start, N_Q, cols,
-                               N_Q, qk_scale, False, BLOCK_M)
-    dk_desc.store([start_n, 0], (dk * sm_scale).to(dK.dtype.element_ty))
-    dv_desc.store([start_n, 0], dv.to(dV.dtype.element_ty))
+    dk, dv = _dkdv_query_tiles(dk, dv, k_tile, v_tile, Q, dO, stride_qn, stride_don, LSE, Delta, start_m,
+                               unmasked_start, cols, N_Q, qk_scale, True, HEAD_DIM, BLOCK_M, USE_TMA)
+    dk, dv = _dkdv_query_tiles(dk, dv, k_tile, v_tile, Q, dO, stride_qn, stride_don, LSE, Delta, unmasked_start,
+                               N_Q, cols, N_Q, qk_scale, False, HEAD_DIM, BLOCK_M, USE_TMA)
+    _store_tile(dK, start_n, N_K, stride_dkn, dk * sm_scale, BLOCK_N, HEAD_DIM, USE_TMA)
+    _store_tile(dV, start_n, N_K, stride_dvn, dv, BLOCK_N, HEAD_DIM, USE_TMA)
 
 
 @triton.jit
-def _dq_key_tiles(dq, q_tile, do_tile, lse2, delta, k_desc, v_desc, start_n, end_n, rows, N_K, qk_scale,
-                  MASKED: tl.constexpr, IS_CAUSAL: tl.constexpr, BLOCK_N: tl.constexpr):
+def _dq_key_tiles(dq, q_tile, do_tile, lse2, delta, K, V, stride_kn, stride_vn, start_n, end_n, rows, N_K, qk_scale,
+                  MASKED: tl.constexpr, IS_CAUSAL: tl.constexpr, HEAD_DIM: tl.constexpr, BLOCK_N: tl.constexpr,
+                  USE_TMA: tl.constexpr):
     """Add the contributions of key tiles [start_n, end_n) to this query tile's dQ."""
     for tile_start in range(start_n, end_n, BLOCK_N):
-        k_tile = k_desc.load([tile_start, 0])
-        v_tile = v_desc.load([tile_start, 0])
+        k_tile = _load_tile(K, tile_start, N_K, stride_kn, BLOCK_N, HEAD_DIM, USE_TMA)
+        v_tile = _load_tile(V, tile_start, N_K, stride_vn, BLOCK_N, HEAD_DIM, USE_TMA)
         p = tl.exp2(tl.dot(q_tile, tl.trans(k_tile)) * qk_scale - lse2[:, None])
         if MASKED:  # the tile crosses the diagonal or the end of the keys
             cols = tile_start + tl.arange(0, BLOCK_N)
@@ -116,69 +119,69 @@ def _dq_key_tiles(dq, q_tile, do_tile, lse2, delta, k_desc, v_desc, start_n, end
     return dq
 
 
-@triton.jit
+@triton.jit(do_not_specialize=["N_Q", "N_K"])
 def _bwd_dq(Q, K, V, dO, dQ, LSE, Delta,
             stride_qb, stride_qh, stride_qn, stride_kb, stride_kh, stride_kn,
             stride_vb, stride_vh, stride_vn, stride_dob, stride_doh, stride_don,
             stride_dqb, stride_dqh, stride_dqn,
             H, N_Q, N_K, qk_scale, sm_scale, N_Q_BUCKET, N_K_BUCKET,
-            IS_CAUSAL: tl.constexpr, HEAD_DIM: tl.constexpr, BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr):
+            IS_CAUSAL: tl.constexpr, HEAD_DIM: tl.constexpr, USE_TMA: tl.constexpr,
+            BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr):
     tile_m = tl.program_id(0)
     if IS_CAUSAL:  # the longest query tiles first, as in the forward
         tile_m = tl.num_programs(0) - 1 - tile_m
     start_m = tile_m * BLOCK_M
     bh = tl.program_id(1)
-    q_desc = _head_matrix(Q, bh, H, stride_qb, stride_qh, stride_qn, N_Q, HEAD_DIM, BLOCK_M)
-    do_desc = _head_matrix(dO, bh, H, stride_dob, stride_doh, stride_don, N_Q, HEAD_DIM, BLOCK_M)
-    k_desc = _head_matrix(K, bh, H, stride_kb, stride_kh, stride_kn, N_K, HEAD_DIM, BLOCK_N)
-    v_desc = _head_matrix(V, bh, H, stride_vb, stride_vh, stride_vn, N_K, HEAD_DIM, BLOCK_N)
-    dq_desc = _head_matrix(dQ, bh, H, stride_dqb, stride_dqh, stride_dqn, N_Q, HEAD_DIM, BLOCK_M)
+    Q = _head_matrix(Q, bh, H, stride_qb, stride_qh, stride_qn, N_Q, HEAD_DIM, BLOCK_M, USE_TMA)
+    dO = _head_matrix(dO, bh, H, stride_dob, stride_doh, stride_don, N_Q, HEAD_DIM, BLOCK_M, USE_TMA)
+    K = _head_matrix(K, bh, H, stride_kb, stride_kh, stride_kn, N_K, HEAD_DIM, BLOCK_N, USE_TMA)
+    V = _head_matrix(V, bh, H, stride_vb, stride_vh, stride_vn, N_K, HEAD_DIM, BLOCK_N, USE_TMA)
+    dQ = _head_matrix(dQ, bh, H, stride_dqb, stride_dqh, stride_dqn, N_Q, HEAD_DIM, BLOCK_M, USE_TMA)
 
     rows = start_m + tl.arange(0, BLOCK_M)
-    q_tile = q_desc.load([start_m, 0])
-    do_tile = do_desc.load([start_m, 0])
+    q_tile = _load_tile(Q, start_m, N_Q, stride_qn, BLOCK_M, HEAD_DIM, USE_TMA)
+    do_tile = _load_tile(dO, start_m, N_Q, stride_don, BLOCK_M, HEAD_DIM, USE_TMA)
     lse2 = tl.load(LSE + bh * N_Q + rows, mask=rows < N_Q, other=float("inf")) * LOG2_E_
     delta = tl.load(Delta + bh * N_Q + rows, mask=rows < N_Q, other=0.0)
     dq = tl.zeros([BLOCK_M, HEAD_DIM], dtype=tl.float32)
 
     unmasked_end, end = _key_tile_bounds(start_m, N_K, IS_CAUSAL, BLOCK_M, BLOCK_N)
-    dq = _dq_key_tiles(dq, q_tile, do_tile, lse2, delta, k_desc, v_desc, 0, unmasked_end, rows, N_K, qk_scale,
-                       False, IS_CAUSAL, BLOCK_N)
-    dq = _dq_key_tiles(dq, q_tile, do_tile, lse2, delta, k_desc, v_desc, unmasked_end, end, rows, N_K, qk_scale,
-                       True, IS_CAUSAL, BLOCK_N)
-    dq_desc.store([start_m, 0], (dq * sm_scale).to(dQ.dtype.element_ty))
+    dq = _dq_key_tiles(dq, q_tile, do_tile, lse2, delta, K, V, stride_kn, stride_vn, 0, unmasked_end, rows, N_K,
+                       qk_scale, False, IS_CAUSAL, HEAD_DIM, BLOCK_N, USE_TMA)
+    dq = _dq_key_tiles(dq, q_tile, do_tile, lse2, delta, K, V, stride_kn, stride_vn, unmasked_end, end, rows, N_K,
+                       qk_scale, True, IS_CAUSAL, HEAD_DIM, BLOCK_N, USE_TMA)
+    _store_tile(dQ, start_m, N_Q, stride_dqn, dq * sm_scale, BLOCK_M, HEAD_DIM, USE_TMA)
 
 
-def _dkdv_tiles(config):
+def dkdv_smem_rows(config):
     # The K/V tile pair stays resident; each stage streams one Q and one dO tile.
     return 2 * config.kwargs["BLOCK_N"], 2 * config.kwargs["BLOCK_M"]
 
 
-def _dq_tiles(config):
+def dq_smem_rows(config):
     # The Q/dO tile pair stays resident; each stage streams one K and one V tile.
     return 2 * config.kwargs["BLOCK_M"], 2 * config.kwargs["BLOCK_N"]
 
 
-def _configs(resident_blocks, streamed_blocks, resident_name, streamed_name):
-    return [triton.Config({resident_name: r, streamed_name: s}, num_warps=w, num_stages=st)
-            for r in resident_blocks for s in streamed_blocks for w in (4, 8) for st in (2, 3)]
+# (resident tile, streamed tile, num_warps, num_stages) the autotuner chooses among.
+_BACKWARD_TILES = [(64, 32, 4, 3), (64, 64, 4, 3), (128, 32, 4, 3), (128, 64, 8, 3), (128, 32, 8, 2), (128, 64, 8, 2)]
+DKDV_CONFIGS = [triton.Config({"BLOCK_N": r, "BLOCK_M": m}, num_warps=w, num_stages=s) for r, m, w, s in _BACKWARD_TILES]
+DQ_CONFIGS = [triton.Config({"BLOCK_M": r, "BLOCK_N": n}, num_warps=w, num_stages=s) for r, n, w, s in _BACKWARD_TILES]
 
-
-DKDV_CONFIGS = _configs((64, 128), (32, 64), "BLOCK_N", "BLOCK_M")
-DQ_CONFIGS = _configs((64, 128), (32, 64), "BLOCK_M", "BLOCK_N")
-
-
-_KEY = ["N_Q_BUCKET", "N_K_BUCKET", "HEAD_DIM", "IS_CAUSAL"]
-_bwd_dkdv_tuned = triton.autotune(DKDV_CONFIGS, key=_KEY, prune_configs_by={"early_config_prune": partial(prune_configs, tiles=_dkdv_tiles)})(_bwd_dkdv)
-_bwd_dq_tuned = triton.autotune(DQ_CONFIGS, key=_KEY, prune_configs_by={"early_config_prune": partial(prune_configs, tiles=_dq_tiles)})(_bwd_dq)
+_KEY = ["N_Q_BUCKET", "N_K_BUCKET", "HEAD_DIM", "IS_CAUSAL", "USE_TMA"]
+_bwd_dkdv_tuned = triton.autotune(DKDV_CONFIGS, key=_KEY,
+                                  prune_configs_by={"early_config_prune": partial(prune_configs, tiles=dkdv_smem_rows)})(_bwd_dkdv)
+_bwd_dq_tuned = triton.autotune(DQ_CONFIGS, key=_KEY,
+                                prune_configs_by={"early_config_prune": partial(prune_configs, tiles=dq_smem_rows)})(_bwd_dq)
 
 PREPROCESS_BLOCK_M = 64
 
 
-def flash_backward(q, k, v, o, do, lse, is_causal, dkdv_config=None, dq_config=None):
+def flash_backward(q, k, v, o, do, lse, is_causal, dkdv_config=None, dq_config=None, use_tma=None):
     """Gradients of O = attention(q, k, v) for (B, H, N, D) descriptor-ready q, k, v, o, do
     and the forward's contiguous float32 L. Returns contiguous dq, dk, dv in q's dtype.
-    dkdv_config / dq_config: triton.Configs to bypass the autotuner (tests)."""
+    dkdv_config / dq_config: triton.Configs to bypass the autotuner; use_tma: force the load
+    path (default: TMA on Hopper and newer). Both are for tests and bench.py."""
     B, H, N_Q, D = q.shape
     N_K = k.shape[2]
     dq = torch.zeros(q.shape, dtype=q.dtype, device=q.device)
@@ -186,9 +189,11 @@ def flash_backward(q, k, v, o, do, lse, is_causal, dkdv_config=None, dq_config=N
     dv = torch.zeros(v.shape, dtype=v.dtype, device=v.device)
     if B * H * N_Q * N_K == 0:  # no query or no key: every gradient is zero
         return dq, dk, dv
+    use_tma = has_tma(q.device) if use_tma is None else use_tma
     delta = torch.empty((B, H, N_Q), dtype=torch.float32, device=q.device)
     _bwd_preprocess[(triton.cdiv(N_Q, PREPROCESS_BLOCK_M), B * H)](
-        o, do, delta, *o.stride()[:3], *do.stride()[:3], H, N_Q, HEAD_DIM=D, BLOCK_M=PREPROCESS_BLOCK_M)
+        o, do, delta, *o.stride()[:3], *do.stride()[:3], H, N_Q, HEAD_DIM=D, USE_TMA=use_tma,
+        BLOCK_M=PREPROCESS_BLOCK_M)
 
     sm_scale = D ** -0.5
     shape_args = (H, N_Q, N_K, sm_scale * LOG2_E, sm_scale, seq_bucket(N_Q), seq_bucket(N_K))
@@ -197,10 +202,10 @@ def flash_backward(q, k, v, o, do, lse, is_causal, dkdv_config=None, dq_config=N
     kernel, extra = (_bwd_dkdv_tuned, {}) if dkdv_config is None else (_bwd_dkdv, dkdv_config.all_kwargs())
     grid = lambda meta: (triton.cdiv(N_K, meta["BLOCK_N"]), B * H)
     kernel[grid](q, k, v, do, dk, dv, lse, delta, *strides, *dk.stride()[:3], *dv.stride()[:3], *shape_args,
-                 IS_CAUSAL=is_causal, HEAD_DIM=D, **extra)
+                 IS_CAUSAL=is_causal, HEAD_DIM=D, USE_TMA=use_tma, **extra)
 
     kernel, extra = (_bwd_dq_tuned, {}) if dq_config is None else (_bwd_dq, dq_config.all_kwargs())
     grid = lambda meta: (triton.cdiv(N_Q, meta["BLOCK_M"]), B * H)
     kernel[grid](q, k, v, do, dq, lse, delta, *strides, *dq.stride()[:3], *shape_args,
-                 IS_CAUSAL=is_causal, HEAD_DIM=D, **extra)
+                 IS_CAUSAL=is_causal, HEAD_DIM=D, USE_TMA=use_tma, **extra)
     return dq, dk, dv

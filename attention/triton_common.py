@@ -47,6 +47,11 @@ def warn_if_interpreting(t):
         warnings.warn("Triton attention on CPU runs through the Triton interpreter: correct but slow", stacklevel=4)
 
 
+def has_tma(device):
+    """Hopper (sm_90) and newer copy tiles with the TMA engine; older cards use cp.async."""
+    return device.type == "cuda" and torch.cuda.get_device_capability(device)[0] >= 9
+
+
 def seq_bucket(n):
     """Autotune key for a sequence length: its power-of-two bucket, so a KV cache that grows
     by one token a step does not re-tune at every step."""

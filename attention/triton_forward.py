@@ -15,10 +15,10 @@ import torch
 import triton
 import triton.language as tl
 
-from .triton_common import prune_configs, seq_bucket
+from .triton_common import has_tma, prune_configs, seq_bucket
 
 LOG2_E = 1.4426950408889634
-LN_2: tl.constexpr = 0.6931471805599453
+LN_2 = tl.constexpr(0.6931471805599453)
 
 
 @triton.jit
@@ -35,12 +35,54 @@ def _key_tile_bounds(start_m, N_K, IS_CAUSAL: tl.constexpr, BLOCK_M: tl.constexp
 
 
 @triton.jit
-def _fwd_key_tiles(acc, l_i, m_i, q_tile, k_desc, v_desc, start_n, end_n, rows, N_K, qk_scale,
-                   MASKED: tl.constexpr, IS_CAUSAL: tl.constexpr, BLOCK_N: tl.constexpr):
+def _head_matrix(T, bh, H, stride_b, stride_h, stride_n, N,
+                 HEAD_DIM: tl.constexpr, BLOCK: tl.constexpr, USE_TMA: tl.constexpr):
+    """The (N, HEAD_DIM) matrix of batch-head bh, read and written in (BLOCK, HEAD_DIM) tiles
+    through its strides: the model's q, k, v are strided views of one fused projection and are
+    never copied. On Hopper it is a TMA tensor descriptor (the copy engine moves whole tiles and
+    checks bounds in hardware); elsewhere the base pointer for _load_tile's masked loads, which
+    Triton pipelines with cp.async."""
+    b = (bh // H).to(tl.int64)
+    h = (bh % H).to(tl.int64)
+    if USE_TMA:
+        matrix = tl.make_tensor_descriptor(T + b * stride_b + h * stride_h, shape=[N, HEAD_DIM],
+                                           strides=[stride_n, 1], block_shape=[BLOCK, HEAD_DIM])
+    else:
+        matrix = T + b * stride_b + h * stride_h
+    return matrix
+
+
+@triton.jit
+def _load_tile(matrix, start, N, stride_n, BLOCK: tl.constexpr, HEAD_DIM: tl.constexpr, USE_TMA: tl.constexpr):
+    """Rows [start, start + BLOCK) of a head matrix; rows past N read as zeros."""
+    if USE_TMA:
+        tile = matrix.load([start, 0])
+    else:
+        rows = start + tl.arange(0, BLOCK)
+        tile = tl.load(matrix + rows[:, None] * stride_n + tl.arange(0, HEAD_DIM)[None, :],
+                       mask=rows[:, None] < N, other=0.0)
+    return tile
+
+
+@triton.jit
+def _store_tile(matrix, start, N, stride_n, tile, BLOCK: tl.constexpr, HEAD_DIM: tl.constexpr, USE_TMA: tl.constexpr):
+    """Write rows [start, start + BLOCK) of a head matrix; rows past N are dropped."""
+    if USE_TMA:
+        matrix.store([start, 0], tile.to(matrix.dtype))
+    else:
+        rows = start + tl.arange(0, BLOCK)
+        tl.store(matrix + rows[:, None] * stride_n + tl.arange(0, HEAD_DIM)[None, :], tile.to(matrix.dtype.element_ty),
+                 mask=rows[:, None] < N)
+
+
+@triton.jit
+def _fwd_key_tiles(acc, l_i, m_i, q_tile, K, V, stride_kn, stride_vn, start_n, end_n, rows, N_K, qk_scale,
+                   MASKED: tl.constexpr, IS_CAUSAL: tl.constexpr, HEAD_DIM: tl.constexpr, BLOCK_N: tl.constexpr,
+                   USE_TMA: tl.constexpr):
     """The online-softmax update over key tiles [start_n, end_n): for each tile, rescale what
     was accumulated by exp2(m_old - m_new) and add this tile's share."""
     for tile_start in range(start_n, end_n, BLOCK_N):
-        k_tile = k_desc.load([tile_start, 0])
+        k_tile = _load_tile(K, tile_start, N_K, stride_kn, BLOCK_N, HEAD_DIM, USE_TMA)
         s = tl.dot(q_tile, tl.trans(k_tile)) * qk_scale  # base-2 logits, (BLOCK_M, BLOCK_N)
         if MASKED:  # this tile crosses the diagonal or runs past the last key
             cols = tile_start + tl.arange(0, BLOCK_N)
@@ -52,29 +94,19 @@ def _fwd_key_tiles(acc, l_i, m_i, q_tile, k_desc, v_desc, start_n, end_n, rows, 
         p = tl.exp2(s - m_new[:, None])
         alpha = tl.exp2(m_i - m_new)  # how much the old maximum overstated the new one
         l_i = l_i * alpha + tl.sum(p, 1)
-        v_tile = v_desc.load([tile_start, 0])
+        v_tile = _load_tile(V, tile_start, N_K, stride_vn, BLOCK_N, HEAD_DIM, USE_TMA)
         acc = tl.dot(p.to(v_tile.dtype), v_tile, acc * alpha[:, None])
         m_i = m_new
     return acc, l_i, m_i
 
 
-@triton.jit
-def _head_matrix(T, bh, H, stride_b, stride_h, stride_n, N, HEAD_DIM: tl.constexpr, BLOCK: tl.constexpr):
-    """A TMA tensor descriptor over the (N, HEAD_DIM) matrix of batch-head bh, read and written
-    in (BLOCK, HEAD_DIM) tiles through its strides: the model's q, k, v are strided views of
-    one fused projection and are never copied. Rows past N read as zeros and are never written."""
-    b = (bh // H).to(tl.int64)
-    h = (bh % H).to(tl.int64)
-    return tl.make_tensor_descriptor(T + b * stride_b + h * stride_h, shape=[N, HEAD_DIM], strides=[stride_n, 1],
-                                     block_shape=[BLOCK, HEAD_DIM])
-
-
-@triton.jit
+@triton.jit(do_not_specialize=["N_Q", "N_K"])
 def _attn_fwd(Q, K, V, O, L,
               stride_qb, stride_qh, stride_qn, stride_kb, stride_kh, stride_kn,
               stride_vb, stride_vh, stride_vn, stride_ob, stride_oh, stride_on,
               H, N_Q, N_K, qk_scale, N_Q_BUCKET, N_K_BUCKET,
-              IS_CAUSAL: tl.constexpr, HEAD_DIM: tl.constexpr, BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr):
+              IS_CAUSAL: tl.constexpr, HEAD_DIM: tl.constexpr, USE_TMA: tl.constexpr,
+              BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr):
     # Causal query tiles near the end have the most keys to visit: launch them first so the
     # short ones fill in the gaps at the end of the grid.
     tile_m = tl.program_id(0)
@@ -82,47 +114,50 @@ def _attn_fwd(Q, K, V, O, L,
         tile_m = tl.num_programs(0) - 1 - tile_m
     start_m = tile_m * BLOCK_M
     bh = tl.program_id(1)
-    q_desc = _head_matrix(Q, bh, H, stride_qb, stride_qh, stride_qn, N_Q, HEAD_DIM, BLOCK_M)
-    k_desc = _head_matrix(K, bh, H, stride_kb, stride_kh, stride_kn, N_K, HEAD_DIM, BLOCK_N)
-    v_desc = _head_matrix(V, bh, H, stride_vb, stride_vh, stride_vn, N_K, HEAD_DIM, BLOCK_N)
-    o_desc = _head_matrix(O, bh, H, stride_ob, stride_oh, stride_on, N_Q, HEAD_DIM, BLOCK_M)
+    Q = _head_matrix(Q, bh, H, stride_qb, stride_qh, stride_qn, N_Q, HEAD_DIM, BLOCK_M, USE_TMA)
+    K = _head_matrix(K, bh, H, stride_kb, stride_kh, stride_kn, N_K, HEAD_DIM, BLOCK_N, USE_TMA)
+    V = _head_matrix(V, bh, H, stride_vb, stride_vh, stride_vn, N_K, HEAD_DIM, BLOCK_N, USE_TMA)
+    O = _head_matrix(O, bh, H, stride_ob, stride_oh, stride_on, N_Q, HEAD_DIM, BLOCK_M, USE_TMA)
 
     rows = start_m + tl.arange(0, BLOCK_M)
     m_i = tl.full([BLOCK_M], float("-inf"), dtype=tl.float32)
     l_i = tl.zeros([BLOCK_M], dtype=tl.float32)
     acc = tl.zeros([BLOCK_M, HEAD_DIM], dtype=tl.float32)
-    q_tile = q_desc.load([start_m, 0])
+    q_tile = _load_tile(Q, start_m, N_Q, stride_qn, BLOCK_M, HEAD_DIM, USE_TMA)
 
     unmasked_end, end = _key_tile_bounds(start_m, N_K, IS_CAUSAL, BLOCK_M, BLOCK_N)
-    acc, l_i, m_i = _fwd_key_tiles(acc, l_i, m_i, q_tile, k_desc, v_desc, 0, unmasked_end, rows, N_K,
-                                   qk_scale, False, IS_CAUSAL, BLOCK_N)
-    acc, l_i, m_i = _fwd_key_tiles(acc, l_i, m_i, q_tile, k_desc, v_desc, unmasked_end, end, rows, N_K,
-                                   qk_scale, True, IS_CAUSAL, BLOCK_N)
+    acc, l_i, m_i = _fwd_key_tiles(acc, l_i, m_i, q_tile, K, V, stride_kn, stride_vn, 0, unmasked_end, rows, N_K,
+                                   qk_scale, False, IS_CAUSAL, HEAD_DIM, BLOCK_N, USE_TMA)
+    acc, l_i, m_i = _fwd_key_tiles(acc, l_i, m_i, q_tile, K, V, stride_kn, stride_vn, unmasked_end, end, rows, N_K,
+                                   qk_scale, True, IS_CAUSAL, HEAD_DIM, BLOCK_N, USE_TMA)
 
     # Normalise once, at the end. Every row saw key 0, so l_i >= 1.
-    o_desc.store([start_m, 0], (acc / l_i[:, None]).to(O.dtype.element_ty))
+    _store_tile(O, start_m, N_Q, stride_on, acc / l_i[:, None], BLOCK_M, HEAD_DIM, USE_TMA)
     lse = (m_i + tl.log2(l_i)) * LN_2  # back to natural log
     tl.store(L + bh * N_Q + rows, lse, mask=rows < N_Q)
 
 
-def _tiles(config):
+def forward_smem_rows(config):
     # q_tile stays resident; each pipeline stage holds one K and one V tile.
     return config.kwargs["BLOCK_M"], 2 * config.kwargs["BLOCK_N"]
 
 
+# (BLOCK_M, BLOCK_N, num_warps, num_stages) the autotuner chooses among; bench.py --configs
+# times a wider set, and docs/optimisation.md says why these.
 FORWARD_CONFIGS = [
     triton.Config({"BLOCK_M": bm, "BLOCK_N": bn}, num_warps=w, num_stages=s)
-    for bm in (64, 128) for bn in (32, 64, 128) for w in (4, 8) for s in (2, 3, 4)
+    for bm, bn, w, s in [(64, 64, 4, 3), (64, 128, 4, 3), (128, 32, 4, 3), (128, 64, 4, 3),
+                         (128, 64, 8, 3), (128, 128, 8, 3), (128, 64, 4, 4), (128, 128, 8, 2)]
 ]
 
+_attn_fwd_tuned = triton.autotune(FORWARD_CONFIGS, key=["N_Q_BUCKET", "N_K_BUCKET", "HEAD_DIM", "IS_CAUSAL", "USE_TMA"],
+                                  prune_configs_by={"early_config_prune": partial(prune_configs, tiles=forward_smem_rows)})(_attn_fwd)
 
-_attn_fwd_tuned = triton.autotune(FORWARD_CONFIGS, key=["N_Q_BUCKET", "N_K_BUCKET", "HEAD_DIM", "IS_CAUSAL"],
-                                  prune_configs_by={"early_config_prune": partial(prune_configs, tiles=_tiles)})(_attn_fwd)
 
-
-def flash_forward(q, k, v, is_causal, config=None):
+def flash_forward(q, k, v, is_causal, config=None, use_tma=None):
     """q, k, v: (B, H, N, D) descriptor-ready views. Returns O (B, H, N_q, D) in q's dtype
-    and L (B, H, N_q) float32. config: a triton.Config to bypass the autotuner (tests)."""
+    and L (B, H, N_q) float32. config: a triton.Config to bypass the autotuner; use_tma:
+    force the load path (default: TMA on Hopper and newer). Both are for tests and bench.py."""
     B, H, N_Q, D = q.shape
     N_K = k.shape[2]
     o = torch.empty_like(q, memory_format=torch.contiguous_format)
@@ -136,5 +171,6 @@ def flash_forward(q, k, v, is_causal, config=None):
     kernel = _attn_fwd_tuned if config is None else _attn_fwd
     extra = {} if config is None else config.all_kwargs()
     grid = lambda meta: (triton.cdiv(N_Q, meta["BLOCK_M"]), B * H)
-    kernel[grid](*args, IS_CAUSAL=is_causal, HEAD_DIM=D, **extra)
+    use_tma = has_tma(q.device) if use_tma is None else use_tma
+    kernel[grid](*args, IS_CAUSAL=is_causal, HEAD_DIM=D, USE_TMA=use_tma, **extra)
     return o, lse

@@ -1,0 +1,240 @@
+"""Every attention backend against the float64 reference (eager attention run in float64),
+forward O and L and backward dQ, dK, dV, on random inputs of awkward shapes.
+
+On CPU the Triton backends run their real kernels through the Triton interpreter. Tests
+marked `gpu` run on a CUDA card (bf16/fp16, long sequences, every tile config).
+
+Tolerances (max abs error, with inputs ~N(0, 1)): float32 1e-4 on CPU, where every backend
+computes in float32 (the interpreter's dots are exact float32); float16 2e-2 and bfloat16
+4e-2, from rounding P and the outputs to 8 or 11 significant bits. On the GPU, float32 dots
+use TF32 tensor cores (10-bit mantissa), so float32 is held to 1e-2 there.
+"""
+import pytest
+import torch
+
+from attention import BACKENDS, FlashAttentionPytorch, FlashAttentionTriton, FlashAttentionTritonFwd, attention
+from attention.eager import eager_attention_with_lse
+from attention.tiled import tiled_forward
+from attention.triton_backward import DKDV_CONFIGS, DQ_CONFIGS, dkdv_smem_rows, dq_smem_rows, flash_backward
+from attention.triton_common import descriptor_ready, prune_configs
+from attention.triton_forward import FORWARD_CONFIGS, flash_forward, forward_smem_rows
+
+import triton  # noqa: E402, I001  (after attention, which decides whether Triton interprets)
+
+TOLERANCE = {torch.float32: 1e-4, torch.float16: 2e-2, torch.bfloat16: 4e-2}
+GPU_TOLERANCE = {torch.float32: 1e-2, torch.float16: 2e-2, torch.bfloat16: 4e-2}
+DEVICE = "cuda" if torch.cuda.is_available() else "cpu"
+gpu = pytest.mark.gpu
+
+
+def random_qkv(shape_q, n_k, dtype=torch.float32, device="cpu", seed=0, scale=1.0):
+    """q (*shape_q) and k, v with n_k rows; never zeros."""
+    g = torch.Generator().manual_seed(seed)
+    *lead, _, d = shape_q
+    q = torch.randn(*shape_q, generator=g) * scale
+    k = torch.randn(*lead, n_k, d, generator=g) * scale
+    v = torch.randn(*lead, n_k, d, generator=g)
+    return [t.to(device=device, dtype=dtype).requires_grad_() for t in (q, k, v)]
+
+
+def reference(q, k, v, is_causal, do):
+    """O, L, dQ, dK, dV in float64."""
+    q64, k64, v64 = (t.detach().double().requires_grad_() for t in (q, k, v))
+    o, lse = eager_attention_with_lse(q64, k64, v64, is_causal)
+    o.backward(do.double())
+    return o, lse, q64.grad, k64.grad, v64.grad
+
+
+def assert_close(actual, expected, tol, what):
+    assert actual.shape == expected.shape, f"{what}: shape {tuple(actual.shape)} != {tuple(expected.shape)}"
+    assert torch.isfinite(actual).all(), f"{what}: non-finite values"
+    err = (actual.double() - expected).abs().max().item() if actual.numel() else 0.0
+    assert err <= tol, f"{what}: max abs error {err:.2e} > {tol:.0e}"
+
+
+def check_backend(backend, q, k, v, is_causal, tol):
+    o = attention(q, k, v, is_causal=is_causal, backend=backend)
+    assert o.dtype == q.dtype and o.shape == q.shape
+    do = torch.randn_like(o)
+    o.backward(do)
+    o_ref, _, dq_ref, dk_ref, dv_ref = reference(q, k, v, is_causal, do)
+    assert_close(o, o_ref, tol, f"{backend} O")
+    for name, t, ref in (("dQ", q, dq_ref), ("dK", k, dk_ref), ("dV", v, dv_ref)):
+        assert_close(t.grad, ref, tol, f"{backend} {name}")
+
+
+# (q shape, N_k): odd lengths, N_q != N_k both ways, every head dim, 3-D and 4-D, 2-D and 5-D.
+SHAPES = [
+    ((1, 1, 1, 16), 1),
+    ((2, 3, 15, 16), 15),
+    ((1, 2, 16, 32), 16),
+    ((2, 1, 17, 64), 17),
+    ((1, 2, 100, 32), 257),
+    ((1, 1, 257, 64), 100),
+    ((1, 2, 128, 128), 128),
+    ((2, 257, 16), 257),       # 3-D (B, N, D)
+    ((3, 100, 64), 17),
+    ((1, 15, 128), 1),
+    ((33, 32), 33),            # 2-D (N, D)
+    ((2, 1, 2, 17, 16), 17),   # 5-D
+]
+
+
+@pytest.mark.parametrize("is_causal", [False, True])
+@pytest.mark.parametrize("shape_q,n_k", SHAPES)
+@pytest.mark.parametrize("backend", BACKENDS)
+def test_backend_matches_float64_reference(backend, shape_q, n_k, is_causal):
+    q, k, v = random_qkv(shape_q, n_k, seed=sum(shape_q) + n_k)
+    check_backend(backend, q, k, v, is_causal, TOLERANCE[torch.float32])
+
+
+@pytest.mark.parametrize("backend", BACKENDS)
+def test_strided_views_from_fused_projection(backend):
+    """q, k, v as the model makes them: (B, H, T, D) views of one (B, T, 3, H, D) tensor."""
+    B, T, H, D = 2, 37, 3, 32
+    leaf = torch.randn(B, T, 3, H, D, requires_grad=True)
+    q, k, v = (leaf[:, :, i].transpose(1, 2) for i in range(3))
+    assert not q.is_contiguous()
+    o = attention(q, k, v, is_causal=True, backend=backend)
+    do = torch.randn_like(o)
+    o.backward(do)
+    o_ref, _, dq_ref, dk_ref, dv_ref = reference(q, k, v, True, do)
+    assert_close(o, o_ref, 1e-4, "O")
+    dqkv_ref = torch.stack([g.transpose(1, 2) for g in (dq_ref, dk_ref, dv_ref)], dim=2)
+    assert_close(leaf.grad, dqkv_ref, 1e-4, "d(qkv)")
+
+
+@pytest.mark.parametrize("backend", BACKENDS)
+def test_views_tma_cannot_describe_are_handled(backend):
+    """A slice starting one element into each row: misaligned base and row stride (copied once
+    for the Triton kernels), and a sequence slice with a gap."""
+    q = torch.randn(2, 2, 40, 33)[..., 1:]
+    k = torch.randn(2, 2, 80, 32)[:, :, ::2]
+    v = torch.randn(2, 2, 40, 32)
+    assert descriptor_ready(q).data_ptr() != q.data_ptr()  # the copy path
+    q, k, v = (t.detach().requires_grad_() for t in (q, k, v))
+    check_backend(backend, q, k, v, True, TOLERANCE[torch.float32])
+
+
+@pytest.mark.parametrize("is_causal", [False, True])
+@pytest.mark.parametrize("shape_q,n_k", [((2, 3, 100, 64), 100), ((1, 2, 17, 32), 257), ((1, 1, 257, 16), 33)])
+def test_logsumexp_matches_reference(shape_q, n_k, is_causal):
+    q, k, v = (t.detach() for t in random_qkv(shape_q, n_k, seed=n_k))
+    _, lse_ref = eager_attention_with_lse(q.double(), k.double(), v.double(), is_causal)
+    for tile_size in (16, 37):
+        _, lse = tiled_forward(q, k, v, is_causal, tile_size)
+        assert lse.dtype == torch.float32 and lse.shape == q.shape[:-1]
+        assert_close(lse, lse_ref, 1e-5, f"tiled L (tile {tile_size})")
+    _, lse = flash_forward(q, k, v, is_causal)
+    assert lse.dtype == torch.float32
+    assert_close(lse, lse_ref, 1e-5, "triton L")
+
+
+@pytest.mark.parametrize("function", [FlashAttentionPytorch, FlashAttentionTriton, FlashAttentionTritonFwd])
+def test_saves_exactly_q_k_v_o_l(function):
+    q, k, v = random_qkv((2, 3, 33, 32), 20)
+    o = function.apply(q, k, v, True)
+    saved = o.grad_fn.saved_tensors
+    assert len(saved) == 5
+    for got, want in zip(saved[:3], (q, k, v)):
+        assert got.data_ptr() == want.data_ptr() and got.shape == want.shape
+    assert torch.equal(saved[3], o)
+    _, lse_ref = eager_attention_with_lse(q.double(), k.double(), v.double(), True)
+    assert saved[4].dtype == torch.float32 and saved[4].shape == q.shape[:-1]
+    assert_close(saved[4], lse_ref, 1e-5, "saved L")
+
+
+@pytest.mark.parametrize("tile_size", [1, 16, 50, 300])
+def test_tiled_any_tile_size(tile_size):
+    q, k, v = random_qkv((1, 2, 70, 16), 45, seed=tile_size)
+    o = FlashAttentionPytorch.apply(q, k, v, True, tile_size)
+    o_ref, *_ = reference(q, k, v, True, torch.ones_like(o))
+    assert_close(o, o_ref, 1e-5, f"tiled O (tile {tile_size})")
+
+
+@pytest.mark.parametrize("use_tma", [False, True])
+@pytest.mark.parametrize("is_causal", [False, True])
+@pytest.mark.parametrize("block_m,block_n", [(16, 16), (32, 16), (16, 32), (64, 32)])
+def test_triton_kernels_with_explicit_tiles(block_m, block_n, is_causal, use_tma):
+    """Tiles smaller than the sequence, with BLOCK_M != BLOCK_N: several tiles cross the
+    diagonal, and both sequences end mid-tile. Both load paths: TMA descriptors (Hopper) and
+    masked pointer loads (older cards)."""
+    q, k, v = (t.detach() for t in random_qkv((1, 2, 83, 32), 71, seed=block_m + block_n))
+    config = triton.Config({"BLOCK_M": block_m, "BLOCK_N": block_n})
+    o, lse = flash_forward(q, k, v, is_causal, config=config, use_tma=use_tma)
+    do = torch.randn_like(o)
+    o_ref, lse_ref, dq_ref, dk_ref, dv_ref = reference(q, k, v, is_causal, do)
+    assert_close(o, o_ref, 1e-4, "O")
+    assert_close(lse, lse_ref, 1e-5, "L")
+    dq, dk, dv = flash_backward(q, k, v, o, do, lse, is_causal, dkdv_config=config, dq_config=config, use_tma=use_tma)
+    for name, got, ref in (("dQ", dq, dq_ref), ("dK", dk, dk_ref), ("dV", dv, dv_ref)):
+        assert_close(got, ref, 1e-4, name)
+
+
+@pytest.mark.parametrize("backend", ["tiled", "triton", "triton_fwd"])
+def test_float16_on_cpu(backend):
+    q, k, v = random_qkv((1, 2, 67, 64), 67, dtype=torch.float16, seed=3)
+    check_backend(backend, q, k, v, True, TOLERANCE[torch.float16])
+
+
+def test_triton_gradients_come_from_triton_kernels(monkeypatch):
+    """`triton` must use the Triton backward, `triton_fwd` the PyTorch one: poison the other."""
+    import attention.flash_triton as flash_triton
+
+    def poisoned(*args, **kwargs):
+        raise AssertionError("wrong backward ran")
+
+    q, k, v = random_qkv((1, 2, 20, 16), 20)
+    monkeypatch.setattr(flash_triton, "recompute_backward", poisoned)
+    attention(q, k, v, True, "triton").sum().backward()
+    with pytest.raises(AssertionError, match="wrong backward"):
+        attention(q, k, v, True, "triton_fwd").sum().backward()
+    monkeypatch.undo()
+    monkeypatch.setattr(flash_triton, "flash_backward", poisoned)
+    attention(q, k, v, True, "triton_fwd").sum().backward()
+    with pytest.raises(AssertionError, match="wrong backward"):
+        attention(q, k, v, True, "triton").sum().backward()
+
+
+# ---------------------------------------------------------------- GPU (run on the H200)
+
+@gpu
+@pytest.mark.parametrize("dtype", [torch.bfloat16, torch.float16, torch.float32])
+@pytest.mark.parametrize("is_causal", [False, True])
+@pytest.mark.parametrize("shape_q,n_k", [((2, 3, 1000, 64), 1000), ((1, 2, 8192, 128), 8192), ((1, 4, 1, 64), 4097),
+                                         ((2, 2, 4097, 16), 1023), ((1, 1, 8191, 32), 8191)])
+@pytest.mark.parametrize("backend", ["triton", "triton_fwd", "tiled", "sdpa", "eager"])
+def test_gpu_backends_long_and_low_precision(backend, shape_q, n_k, is_causal, dtype):
+    if backend == "tiled" and shape_q[-2] * n_k > 1024 * 1024:
+        pytest.skip("the Python-loop teaching version is checked on the shorter shapes")
+    q, k, v = random_qkv(shape_q, n_k, dtype=dtype, device="cuda", seed=n_k)
+    check_backend(backend, q, k, v, is_causal, GPU_TOLERANCE[dtype])
+
+
+def _enabled(configs, smem_rows, q):
+    """The configs the autotuner may pick for q on this card."""
+    return prune_configs(configs, {"Q": q}, tiles=smem_rows, HEAD_DIM=q.shape[-1])
+
+
+@gpu
+@pytest.mark.parametrize("use_tma", [True, False])
+@pytest.mark.parametrize("dtype", [torch.bfloat16, torch.float16])
+@pytest.mark.parametrize("head_dim", [64, 128])
+@pytest.mark.parametrize("is_causal", [False, True])
+def test_gpu_every_tile_config_is_correct(head_dim, is_causal, dtype, use_tma):
+    """Every config the autotuner may pick, forward and both backward kernels, on both load paths."""
+    q, k, v = (t.detach() for t in random_qkv((2, 2, 1031, head_dim), 1031, dtype=dtype, device="cuda", seed=head_dim))
+    do = torch.randn_like(q)
+    o_ref, lse_ref, dq_ref, dk_ref, dv_ref = reference(q, k, v, is_causal, do)
+    tol = GPU_TOLERANCE[dtype]
+    for config in _enabled(FORWARD_CONFIGS, forward_smem_rows, q):
+        o, lse = flash_forward(q, k, v, is_causal, config=config, use_tma=use_tma)
+        assert_close(o, o_ref, tol, f"O with {config}")
+    kwargs = dict(dkdv_config=DKDV_CONFIGS[0], dq_config=DQ_CONFIGS[0], use_tma=use_tma)
+    for config in _enabled(DKDV_CONFIGS, dkdv_smem_rows, q):
+        _, dk, dv = flash_backward(q, k, v, o, do, lse, is_causal, **{**kwargs, "dkdv_config": config})
+        assert_close(dk, dk_ref, tol, f"dK with {config}")
+        assert_close(dv, dv_ref, tol, f"dV with {config}")
+    for config in _enabled(DQ_CONFIGS, dq_smem_rows, q):
+        dq, _, _ = flash_backward(q, k, v, o, do, lse, is_causal, **{**kwargs, "dq_config": config})
+        assert_close(dq, dq_ref, tol, f"dQ with {config}")
