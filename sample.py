@@ -78,6 +78,8 @@ def main(argv=None):
     model = GPT(model_args)
     model.load_state_dict(ckpt["model"])
     model.eval().to(device)
+    print(f"sampling from {config.out_dir} (iter {ckpt['iter']}) with attn={model_args.attn} on {device}",
+          file=sys.stderr)
 
     encoder = tiktoken.get_encoding("gpt2")
     prompt_ids = torch.tensor([encoder.encode(prompt, allowed_special={"<|endoftext|>"})], device=device)

@@ -1,0 +1,67 @@
+"""Shared test setup: offline data, a prepared data folder, and running the scripts.
+
+The scripts are run as subprocesses, as a user runs them, so exit codes, messages and
+signals are the real ones.
+"""
+import os
+import subprocess
+import sys
+from pathlib import Path
+
+import pytest
+import torch
+
+REPO = Path(__file__).resolve().parent.parent
+SHARED_DATA = REPO.parent / "shared" / "data"
+
+# CI sets these (see .ci/run); a developer checkout beside shared/ gets the same defaults,
+# so the tests never need the network.
+if (SHARED_DATA / "tiktoken_cache").is_dir():
+    os.environ.setdefault("TIKTOKEN_CACHE_DIR", str(SHARED_DATA / "tiktoken_cache"))
+if (SHARED_DATA / "tinyshakespeare" / "input.txt").is_file():
+    os.environ.setdefault("TINYSHAKESPEARE_PATH", str(SHARED_DATA / "tinyshakespeare" / "input.txt"))
+
+
+def pytest_collection_modifyitems(config, items):
+    if torch.cuda.is_available():
+        return
+    skip = pytest.mark.skip(reason="needs a CUDA GPU")
+    for item in items:
+        if "gpu" in item.keywords:
+            item.add_marker(skip)
+
+
+def script_command(script, *args):
+    return [sys.executable, str(REPO / script), *map(str, args)]
+
+
+def run_script(script, *args, env=None, timeout=300):
+    """Run a repo script to completion; returns the CompletedProcess (text output)."""
+    return subprocess.run(script_command(script, *args), cwd=REPO, env=env, capture_output=True,
+                          text=True, timeout=timeout)
+
+
+@pytest.fixture(scope="session")
+def data_dir(tmp_path_factory):
+    """TinyShakespeare prepared once for the whole session, outside the repo."""
+    from data.shakespeare.prepare import prepare
+
+    path = tmp_path_factory.mktemp("shakespeare")
+    prepare(str(path))
+    return path
+
+
+@pytest.fixture
+def tiny_args(data_dir, tmp_path):
+    """train.py arguments for a quick tiny run in this test's own out_dir."""
+    return ["configs/tiny.py", f"--data_dir={data_dir}", f"--out_dir={tmp_path / 'out'}", "--eval_iters=2"]
+
+
+@pytest.fixture(scope="session")
+def trained_out_dir(data_dir, tmp_path_factory):
+    """A tiny model trained for 4 iterations with the sdpa backend (checkpoint at iter 4)."""
+    out_dir = tmp_path_factory.mktemp("trained")
+    result = run_script("train.py", "configs/tiny.py", f"--data_dir={data_dir}", f"--out_dir={out_dir}",
+                        "--eval_iters=2", "--max_iters=4", "--eval_interval=2", "--attn=sdpa")
+    assert result.returncode == 0, result.stderr
+    return out_dir

@@ -1,0 +1,76 @@
+"""configurator.py and train.py's config checks: bad settings stop the run, naming the key."""
+from dataclasses import dataclass
+
+import pytest
+
+from attention import BACKENDS
+from configurator import EXIT_BAD_CONFIG, choice, parse_config
+from conftest import run_script
+
+
+@dataclass
+class ExampleConfig:
+    steps: int = 10
+    rate: float = 0.5
+    name: str = "run"
+    verbose: bool = False
+    mode: str = choice("fast", ("fast", "slow"))
+
+
+def parse_error(argv, capsys):
+    with pytest.raises(SystemExit) as exit_info:
+        parse_config(ExampleConfig, argv)
+    assert exit_info.value.code == EXIT_BAD_CONFIG
+    return capsys.readouterr().err
+
+
+def test_defaults_then_files_then_overrides(tmp_path):
+    config_file = tmp_path / "c.py"
+    config_file.write_text("steps = 20\nrate = 1\nmode = 'slow'\n")
+    config = parse_config(ExampleConfig, ["--steps=30", str(config_file), "--verbose=true"])
+    assert config == ExampleConfig(steps=30, rate=1.0, name="run", verbose=True, mode="slow")
+
+
+def test_unknown_key_names_it_and_the_valid_keys(capsys):
+    message = parse_error(["--step=3"], capsys)
+    assert "--step" in message and "did you mean 'steps'" in message
+    assert all(key in message for key in ("steps", "rate", "name", "verbose", "mode"))
+
+
+def test_wrong_type_names_the_key_and_the_type(capsys):
+    assert "--steps='1.5': expected an int" in parse_error(["--steps=1.5"], capsys)
+    assert "--verbose='maybe': expected a bool" in parse_error(["--verbose=maybe"], capsys)
+    assert "--rate='fast': expected a float" in parse_error(["--rate=fast"], capsys)
+
+
+def test_value_outside_the_choices_lists_them(capsys):
+    assert "--mode='medium': valid choices are fast, slow" in parse_error(["--mode=medium"], capsys)
+
+
+def test_config_file_errors_name_the_file_and_key(tmp_path, capsys):
+    bad_key = tmp_path / "bad_key.py"
+    bad_key.write_text("stepz = 3\n")
+    assert f"stepz (set in {bad_key})" in parse_error([str(bad_key)], capsys)
+    bad_type = tmp_path / "bad_type.py"
+    bad_type.write_text("steps = '3'\n")
+    assert "expected an int, got str" in parse_error([str(bad_type)], capsys)
+    assert "cannot read config file" in parse_error([str(tmp_path / "missing.py")], capsys)
+
+
+def test_override_without_value_is_rejected(capsys):
+    assert "--key=value" in parse_error(["--verbose"], capsys)
+
+
+def test_train_rejects_a_bad_backend_listing_every_valid_one(tmp_path):
+    result = run_script("train.py", "configs/tiny.py", "--attn=flash", f"--out_dir={tmp_path / 'out'}")
+    assert result.returncode == EXIT_BAD_CONFIG
+    assert "--attn='flash'" in result.stderr
+    assert all(name in result.stderr for name in BACKENDS)
+    assert "Traceback" not in result.stderr
+    assert not (tmp_path / "out").exists()
+
+
+def test_train_rejects_values_out_of_range(tmp_path):
+    result = run_script("train.py", "configs/tiny.py", "--n_head=3", f"--out_dir={tmp_path / 'out'}")
+    assert result.returncode == EXIT_BAD_CONFIG
+    assert "n_embd=64: expected a positive multiple of n_head=3" in result.stderr

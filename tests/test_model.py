@@ -1,0 +1,104 @@
+"""model.py: causality, backend agreement, the q/k/v layout handed to attention, sampling."""
+import pytest
+import torch
+
+import model as model_module
+from model import GPT, GPTConfig
+
+
+def small_gpt(attn="eager", seed=0, **overrides):
+    torch.manual_seed(seed)
+    args = dict(block_size=16, vocab_size=50257, n_layer=2, n_head=2, n_embd=32, dropout=0.0, bias=True, attn=attn)
+    args.update(overrides)
+    return GPT(GPTConfig(**args))
+
+
+def random_tokens(batch=2, length=16, seed=1):
+    return torch.randint(0, 50257, (batch, length), generator=torch.Generator().manual_seed(seed))
+
+
+def test_vocab_is_padded_and_embeddings_are_tied():
+    gpt = small_gpt()
+    assert gpt.lm_head.weight.shape == (50304, 32)
+    assert gpt.lm_head.weight is gpt.transformer.wte.weight
+
+
+@pytest.mark.parametrize("attn", ["eager", "sdpa"])
+def test_changing_a_future_token_never_changes_earlier_logits(attn):
+    gpt = small_gpt(attn).eval()
+    idx = random_tokens()
+    logits, _ = gpt(idx, targets=idx)
+    changed_at = 9
+    idx2 = idx.clone()
+    idx2[:, changed_at] = (idx2[:, changed_at] + 1234) % 50257
+    logits2, _ = gpt(idx2, targets=idx2)
+    assert torch.equal(logits[:, :changed_at], logits2[:, :changed_at])
+    assert not torch.allclose(logits[:, changed_at:], logits2[:, changed_at:])
+
+
+def test_eager_and_sdpa_give_the_same_logits_and_gradients():
+    results = {}
+    for attn in ("eager", "sdpa"):
+        gpt = small_gpt(attn, dropout=0.0).double()
+        idx = random_tokens()
+        logits, loss = gpt(idx, targets=torch.roll(idx, -1, dims=1))
+        loss.backward()
+        results[attn] = (logits, {name: p.grad for name, p in gpt.named_parameters()})
+    (eager_logits, eager_grads), (sdpa_logits, sdpa_grads) = results["eager"], results["sdpa"]
+    torch.testing.assert_close(sdpa_logits, eager_logits, rtol=1e-10, atol=1e-10)
+    assert eager_grads.keys() == sdpa_grads.keys()
+    for name in eager_grads:
+        torch.testing.assert_close(sdpa_grads[name], eager_grads[name], rtol=1e-9, atol=1e-12, msg=name)
+
+
+def test_attention_gets_strided_views_of_the_fused_projection(monkeypatch):
+    seen = []
+    real_attention = model_module.attention
+
+    def recording_attention(q, k, v, is_causal, backend):
+        seen.append((q, k, v, is_causal, backend))
+        return real_attention(q, k, v, is_causal=is_causal, backend=backend)
+
+    monkeypatch.setattr(model_module, "attention", recording_attention)
+    gpt = small_gpt("sdpa")
+    gpt(random_tokens(batch=3, length=10))
+    assert len(seen) == 2  # one call per layer
+    q, k, v, is_causal, backend = seen[0]
+    assert (is_causal, backend) == (True, "sdpa")
+    for t in (q, k, v):
+        assert t.shape == (3, 2, 10, 16)  # (B, H, T, D)
+        assert not t.is_contiguous() and t.stride(-1) == 1
+    # all three live in one buffer (the c_attn output), one head dim apart
+    assert k.data_ptr() - q.data_ptr() == 32 * q.element_size()
+    assert v.data_ptr() - k.data_ptr() == 32 * q.element_size()
+
+
+def test_unknown_backend_is_rejected_with_the_valid_ones():
+    from attention import BACKENDS
+
+    with pytest.raises(ValueError) as error:
+        small_gpt("flash")
+    assert all(name in str(error.value) for name in BACKENDS)
+
+
+def test_weight_decay_applies_to_matrices_only():
+    gpt = small_gpt()
+    optimizer = gpt.configure_optimizers(0.1, 1e-3, (0.9, 0.99), "cpu")
+    decay, no_decay = optimizer.param_groups
+    assert decay["weight_decay"] == 0.1 and no_decay["weight_decay"] == 0.0
+    assert all(p.dim() >= 2 for p in decay["params"]) and all(p.dim() < 2 for p in no_decay["params"])
+    assert len(decay["params"]) + len(no_decay["params"]) == len(list(gpt.parameters()))
+
+
+def test_generate_crops_to_block_size_and_never_draws_padding_ids():
+    gpt = small_gpt().eval()
+    # Make the 47 padding ids by far the likeliest: the final LayerNorm outputs all ones
+    # and only the padding rows of the output layer are non-zero.
+    with torch.no_grad():
+        gpt.transformer.ln_f.weight.zero_()
+        gpt.transformer.ln_f.bias.fill_(1.0)
+        gpt.lm_head.weight[:50257].zero_()
+        gpt.lm_head.weight[50257:].fill_(1.0)
+    out = gpt.generate(random_tokens(batch=1, length=5), max_new_tokens=30, top_k=None)
+    assert out.shape == (1, 35)  # ran past block_size=16 by cropping the context
+    assert int(out.max()) < 50257

@@ -1,0 +1,79 @@
+"""data/shakespeare/prepare.py: the real token counts, atomic re-runs, and clear errors."""
+import hashlib
+import json
+import urllib.error
+
+import numpy as np
+import pytest
+
+from conftest import run_script
+from data.shakespeare import prepare as prepare_module
+from data.shakespeare.prepare import PrepareError, prepare
+
+
+def digest(path):
+    return hashlib.sha256(path.read_bytes()).hexdigest()
+
+
+def test_real_data_has_the_expected_token_counts(data_dir):
+    meta = json.loads((data_dir / "meta.json").read_text())
+    assert meta == {"encoding": "gpt2", "vocab_size": 50257, "dtype": "uint16",
+                    "train_tokens": 301_966, "val_tokens": 36_059}
+    train = np.fromfile(data_dir / "train.bin", dtype=np.uint16)
+    val = np.fromfile(data_dir / "val.bin", dtype=np.uint16)
+    assert (len(train), len(val)) == (301_966, 36_059)
+    # "First Citizen:" in GPT-2 tokens
+    assert train[:4].tolist() == [5962, 22307, 25, 198]
+
+
+def test_running_prepare_twice_gives_the_same_files_and_no_leftovers(data_dir, tmp_path):
+    first = {name: digest(data_dir / name) for name in ("train.bin", "val.bin", "meta.json")}
+    result = run_script("data/shakespeare/prepare.py", "--out_dir", tmp_path)
+    assert result.returncode == 0, result.stderr
+    assert "301,966" in result.stdout and "36,059" in result.stdout
+    result = run_script("data/shakespeare/prepare.py", "--out_dir", tmp_path)
+    assert result.returncode == 0, result.stderr
+    assert {name: digest(tmp_path / name) for name in first} == first
+    assert sorted(p.name for p in tmp_path.iterdir()) == ["meta.json", "train.bin", "val.bin"]
+
+
+def test_input_flag_beats_the_environment(tmp_path, monkeypatch):
+    (tmp_path / "mine.txt").write_text("hello world\n" * 10)
+    monkeypatch.setenv("TINYSHAKESPEARE_PATH", str(tmp_path / "does-not-exist.txt"))
+    meta = prepare(str(tmp_path / "out"), input_path=str(tmp_path / "mine.txt"))
+    assert meta["train_tokens"] + meta["val_tokens"] == 30
+
+
+def test_missing_named_input_is_an_error(tmp_path, monkeypatch):
+    monkeypatch.setenv("TINYSHAKESPEARE_PATH", str(tmp_path / "nope.txt"))
+    with pytest.raises(PrepareError, match="TINYSHAKESPEARE_PATH=.*nope.txt.*no such file"):
+        prepare(str(tmp_path))
+    result = run_script("data/shakespeare/prepare.py", "--input", tmp_path / "nope.txt", "--out_dir", tmp_path)
+    assert result.returncode != 0
+    assert "nope.txt" in result.stderr and "Traceback" not in result.stderr
+
+
+def test_offline_with_no_input_says_where_to_put_the_file(tmp_path, monkeypatch):
+    monkeypatch.delenv("TINYSHAKESPEARE_PATH", raising=False)
+
+    def no_network(*args, **kwargs):
+        raise urllib.error.URLError("no network")
+
+    monkeypatch.setattr(prepare_module.urllib.request, "urlopen", no_network)
+    with pytest.raises(PrepareError) as error:
+        prepare(str(tmp_path))
+    message = str(error.value)
+    assert str(tmp_path / "input.txt") in message
+    assert "--input" in message and "TINYSHAKESPEARE_PATH" in message
+    assert not (tmp_path / "train.bin").exists()
+
+
+def test_tiktoken_failure_is_said_plainly(tmp_path, monkeypatch):
+    import tiktoken
+
+    def cannot_load(name):
+        raise ConnectionError("cannot reach the vocabulary host")
+
+    monkeypatch.setattr(tiktoken, "get_encoding", cannot_load)
+    with pytest.raises(PrepareError, match="(?s)tiktoken could not load.*TIKTOKEN_CACHE_DIR"):
+        prepare(str(tmp_path))

@@ -1,0 +1,101 @@
+"""train.py and sample.py end to end on the CPU, with configs/tiny.py on the real data."""
+import json
+
+import pytest
+import torch
+
+from conftest import run_script
+
+LOG_KEYS = {"iter", "loss", "lr", "step_ms", "tokens_per_s", "mfu", "peak_mem_mb"}
+EVAL_KEYS = {"iter", "train_loss", "val_loss"}
+
+
+def read_metrics(out_dir):
+    with open(out_dir / "metrics.jsonl") as f:
+        return [json.loads(line) for line in f]
+
+
+def step_losses(records):
+    return {r["iter"]: r["loss"] for r in records if "loss" in r}
+
+
+def test_tiny_config_loss_falls_and_metrics_have_the_documented_keys(tiny_args, tmp_path):
+    result = run_script("train.py", *tiny_args, "--max_iters=40", "--eval_interval=40")
+    assert result.returncode == 0, result.stderr
+    records = read_metrics(tmp_path / "out")
+    evals = [r for r in records if "val_loss" in r]
+    logs = [r for r in records if "loss" in r]
+    assert all(set(r) == EVAL_KEYS for r in evals) and all(set(r) == LOG_KEYS for r in logs)
+    assert [r["iter"] for r in evals] == [0, 40] and [r["iter"] for r in logs] == [10, 20, 30, 40]
+    assert evals[-1]["val_loss"] < evals[0]["val_loss"] - 2.0  # from ~10.8 (uniform) to below 8.8
+    assert logs[-1]["step_ms"] > 0 and logs[-1]["tokens_per_s"] > 0
+    assert logs[-1]["mfu"] is None and logs[-1]["peak_mem_mb"] is None  # no GPU peak to compare with
+    assert "iter 40: loss" in result.stdout and "tok/s" in result.stdout
+    ckpt = torch.load(tmp_path / "out" / "ckpt.pt", weights_only=True)
+    assert ckpt["iter"] == 40 and ckpt["config"]["attn"] == "eager"
+
+
+def test_resume_continues_with_the_same_losses(tiny_args, tmp_path):
+    # Dropout makes the losses depend on the saved torch RNG state as well as the sampler's.
+    common = [*tiny_args, "--log_interval=1", "--eval_interval=3", "--dropout=0.1"]
+    straight = run_script("train.py", *common, f"--out_dir={tmp_path / 'straight'}", "--max_iters=6")
+    assert straight.returncode == 0, straight.stderr
+    first = run_script("train.py", *common, f"--out_dir={tmp_path / 'split'}", "--max_iters=3")
+    assert first.returncode == 0, first.stderr
+    second = run_script("train.py", *common, f"--out_dir={tmp_path / 'split'}", "--max_iters=6",
+                        "--init_from=resume")
+    assert second.returncode == 0, second.stderr
+    assert "resuming from" in second.stdout and "at iter 3" in second.stdout
+    expected = read_metrics(tmp_path / "straight")
+    resumed = read_metrics(tmp_path / "split")
+    assert step_losses(resumed) == step_losses(expected)
+    assert sorted(step_losses(resumed)) == [1, 2, 3, 4, 5, 6]
+    assert [r for r in resumed if "val_loss" in r] == [r for r in expected if "val_loss" in r]
+
+
+def test_train_prepares_missing_data(data_dir, tmp_path):
+    empty = tmp_path / "data"
+    result = run_script("train.py", "configs/tiny.py", f"--data_dir={empty}", f"--out_dir={tmp_path / 'out'}",
+                        "--max_iters=1", "--eval_iters=1")
+    assert result.returncode == 0, result.stderr
+    assert "running data/shakespeare/prepare.py" in result.stdout
+    for name in ("train.bin", "val.bin", "meta.json"):
+        assert (empty / name).read_bytes() == (data_dir / name).read_bytes()
+
+
+def test_sample_prints_text_from_the_checkpoint(trained_out_dir, tmp_path):
+    result = run_script("sample.py", f"--out_dir={trained_out_dir}", "--start=ROMEO:", "--num_samples=2",
+                        "--max_new_tokens=20", "--device=cpu")
+    assert result.returncode == 0, result.stderr
+    samples = result.stdout.split("---------------\n")
+    assert len(samples) == 3 and samples[-1] == ""  # two samples, each closed by a separator
+    assert all(s.startswith("ROMEO:") and len(s) > len("ROMEO:\n") for s in samples[:2])
+    assert "attn=sdpa" in result.stderr  # the backend the checkpoint was trained with
+
+    prompt = tmp_path / "prompt.txt"
+    prompt.write_text("JULIET:")
+    result = run_script("sample.py", f"--out_dir={trained_out_dir}", f"--start=FILE:{prompt}",
+                        "--num_samples=1", "--max_new_tokens=5", "--attn=eager", "--device=cpu")
+    assert result.returncode == 0, result.stderr
+    assert result.stdout.startswith("JULIET:") and "attn=eager" in result.stderr
+
+
+def test_sample_without_checkpoint_is_a_clear_error(tmp_path):
+    result = run_script("sample.py", f"--out_dir={tmp_path}", "--device=cpu")
+    assert result.returncode == 1
+    assert f"no checkpoint at {tmp_path / 'ckpt.pt'}" in result.stderr and "Traceback" not in result.stderr
+
+
+def test_sample_same_seed_same_text(trained_out_dir):
+    args = [f"--out_dir={trained_out_dir}", "--num_samples=1", "--max_new_tokens=10", "--device=cpu", "--seed=7"]
+    assert run_script("sample.py", *args).stdout == run_script("sample.py", *args).stdout
+
+
+@pytest.mark.gpu
+def test_trains_on_the_gpu_with_mixed_precision(tiny_args, tmp_path):
+    result = run_script("train.py", *tiny_args, "--device=cuda", "--dtype=auto", "--max_iters=10",
+                        "--log_interval=5", "--attn=sdpa")
+    assert result.returncode == 0, result.stderr
+    logs = [r for r in read_metrics(tmp_path / "out") if "loss" in r]
+    assert logs[-1]["peak_mem_mb"] > 0
+    assert "dtype=bfloat16" in result.stdout or "dtype=float16" in result.stdout
