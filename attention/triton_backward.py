@@ -164,7 +164,8 @@ def dq_smem_rows(config):
 
 
 # (resident tile, streamed tile, num_warps, num_stages) the autotuner chooses among.
-_BACKWARD_TILES = [(64, 32, 4, 3), (64, 64, 4, 3), (128, 32, 4, 3), (128, 64, 8, 3), (128, 32, 8, 2), (128, 64, 8, 2)]
+_BACKWARD_TILES = [(64, 16, 4, 2), (64, 32, 4, 3), (64, 64, 4, 3), (128, 32, 4, 3), (128, 64, 8, 3), (128, 32, 8, 2),
+                   (128, 64, 8, 2)]
 DKDV_CONFIGS = [triton.Config({"BLOCK_N": r, "BLOCK_M": m}, num_warps=w, num_stages=s) for r, m, w, s in _BACKWARD_TILES]
 DQ_CONFIGS = [triton.Config({"BLOCK_M": r, "BLOCK_N": n}, num_warps=w, num_stages=s) for r, n, w, s in _BACKWARD_TILES]
 

@@ -146,7 +146,7 @@ def forward_smem_rows(config):
 # times a wider set, and docs/optimisation.md says why these.
 FORWARD_CONFIGS = [
     triton.Config({"BLOCK_M": bm, "BLOCK_N": bn}, num_warps=w, num_stages=s)
-    for bm, bn, w, s in [(64, 64, 4, 3), (64, 128, 4, 3), (128, 32, 4, 3), (128, 64, 4, 3),
+    for bm, bn, w, s in [(64, 32, 4, 2), (64, 64, 4, 3), (64, 128, 4, 3), (128, 32, 4, 3), (128, 64, 4, 3),
                          (128, 64, 8, 3), (128, 128, 8, 3), (128, 64, 4, 4), (128, 128, 8, 2)]
 ]
 

@@ -1,0 +1,302 @@
+"""Attention benchmark: every provider side by side, in one process, on one card.
+
+    python bench.py                  # paper grid + long-context grid -> bench-out/
+    python bench.py --quick          # a few shapes of each grid
+    python bench.py --configs        # time every candidate tile config of each Triton kernel
+
+Times forward, backward and forward+backward with triton.testing.do_bench (median of
+repeated runs after warm-up, on fresh random inputs per shape). q, k, v are strided views of
+one fused (B, N, 3, H, D) projection, as the model makes them. TFLOP/s count 4*B*H*N^2*D for
+the forward (half when causal) and 2.5x that for the backward. Writes attention.json,
+attention.md (tables), attention.png (paper grid) and attention_long.png.
+"""
+import argparse
+import json
+import os
+import platform
+import time
+from concurrent.futures import ProcessPoolExecutor
+from multiprocessing import get_context
+
+import torch
+import torch.nn.functional as F
+from torch.nn.attention import SDPBackend, sdpa_kernel
+
+from attention import attention
+from attention.triton_backward import dkdv_smem_rows, dq_smem_rows, flash_backward
+from attention.triton_common import shared_memory_bytes, shared_memory_limit
+from attention.triton_forward import flash_forward, forward_smem_rows
+
+import triton  # noqa: E402, I001  (after attention, which decides whether Triton interprets)
+
+SDPA_BACKENDS = {"sdpa_flash": SDPBackend.FLASH_ATTENTION, "sdpa_cudnn": SDPBackend.CUDNN_ATTENTION,
+                 "sdpa_efficient": SDPBackend.EFFICIENT_ATTENTION}
+PROVIDERS = ("eager", "tiled", "triton", "triton_fwd", *SDPA_BACKENDS)
+MODES = ("fwd", "bwd", "fwd+bwd")
+TILED_MAX_N = 2048  # the Python-loop teaching version takes seconds per call beyond this
+
+
+def paper_grid(quick):
+    """FlashAttention-2 paper: 16k tokens per batch, hidden size 2048."""
+    lengths = (1024, 4096, 16384) if quick else (512, 1024, 2048, 4096, 8192, 16384)
+    return [dict(B=16384 // n, H=2048 // d, N=n, D=d, causal=c, dtype="bfloat16")
+            for d in (64, 128) for c in (False, True) for n in lengths]
+
+
+def long_grid(quick):
+    """One sequence, causal, up to 64k tokens; 16 heads."""
+    lengths = (1024, 16384, 65536) if quick else tuple(2 ** p for p in range(7, 17))
+    dims = (64, 128) if quick else (16, 32, 64, 128)
+    return [dict(B=1, H=16, N=n, D=d, causal=True, dtype=dt)
+            for dt in ("bfloat16", "float32") for d in dims for n in lengths]
+
+
+def make_inputs(shape, requires_grad):
+    B, H, N, D = shape["B"], shape["H"], shape["N"], shape["D"]
+    qkv = torch.randn(B, N, 3, H, D, device="cuda", dtype=getattr(torch, shape["dtype"]), requires_grad=requires_grad)
+    q, k, v = (qkv[:, :, i].transpose(1, 2) for i in range(3))
+    return qkv, q, k, v
+
+
+def run_provider(name, q, k, v, causal):
+    if name in SDPA_BACKENDS:
+        with sdpa_kernel(SDPA_BACKENDS[name]):
+            return F.scaled_dot_product_attention(q, k, v, is_causal=causal)
+    return attention(q, k, v, is_causal=causal, backend=name)
+
+
+def flops(shape, mode):
+    fwd = 4 * shape["B"] * shape["H"] * shape["N"] ** 2 * shape["D"] / (2 if shape["causal"] else 1)
+    return {"fwd": fwd, "bwd": 2.5 * fwd, "fwd+bwd": 3.5 * fwd}[mode]
+
+
+def time_mode(name, shape, mode, rep_ms):
+    """Median ms of one mode, or raises (unsupported shape, out of memory)."""
+    causal = shape["causal"]
+    if mode == "fwd":
+        _, q, k, v = make_inputs(shape, requires_grad=False)
+        fn = lambda: run_provider(name, q, k, v, causal)
+    else:
+        qkv, q, k, v = make_inputs(shape, requires_grad=True)
+        do = torch.randn(q.shape, device=q.device, dtype=q.dtype)
+        if mode == "bwd":
+            o = run_provider(name, q, k, v, causal)
+            fn = lambda: torch.autograd.grad(o, qkv, do, retain_graph=True)
+        else:
+            fn = lambda: torch.autograd.grad(run_provider(name, q, k, v, causal), qkv, do)
+    return triton.testing.do_bench(fn, warmup=max(rep_ms // 4, 5), rep=rep_ms, return_mode="median")
+
+
+def peak_memory_mb(name, shape):
+    """Peak memory of one forward+backward beyond the inputs."""
+    qkv, q, k, v = make_inputs(shape, requires_grad=True)
+    do = torch.randn(q.shape, device=q.device, dtype=q.dtype)
+    torch.cuda.synchronize()
+    torch.cuda.reset_peak_memory_stats()
+    base = torch.cuda.memory_allocated()
+    torch.autograd.grad(run_provider(name, q, k, v, shape["causal"]), qkv, do)
+    torch.cuda.synchronize()
+    return (torch.cuda.max_memory_allocated() - base) / 2 ** 20
+
+
+def bench_shape(grid, shape, providers, rep_ms):
+    rows = []
+    for name in providers:
+        if name == "tiled" and shape["N"] > TILED_MAX_N:
+            continue
+        row = dict(grid=grid, provider=name, **shape)
+        try:
+            row["peak_mem_mb"] = round(peak_memory_mb(name, shape), 1)
+            for mode in MODES:
+                ms = time_mode(name, shape, mode, rep_ms)
+                row[mode] = dict(ms=ms, tflops=flops(shape, mode) / ms / 1e9)
+            row["status"] = "ok"
+        except torch.cuda.OutOfMemoryError:
+            row["status"] = "out of memory"
+        except RuntimeError as e:  # e.g. an SDPA backend that does not take this shape or dtype
+            row["status"] = "unsupported: " + str(e).splitlines()[0][:80]
+        torch.cuda.empty_cache()
+        rows.append(row)
+        print(format_row(row), flush=True)
+    return rows
+
+
+def format_row(row):
+    shape = f"B={row['B']:<3} H={row['H']:<3} N={row['N']:<6} D={row['D']:<4} {'causal' if row['causal'] else 'full  '} {row['dtype']:<9}"
+    if row["status"] != "ok":
+        return f"{shape} {row['provider']:<15} {row['status']}"
+    perf = "  ".join(f"{m} {row[m]['tflops']:6.1f}" for m in MODES)
+    return f"{shape} {row['provider']:<15} {perf}  TFLOP/s   peak {row['peak_mem_mb']:9.1f} MB"
+
+
+def environment():
+    props = torch.cuda.get_device_properties(0)
+    return dict(card=props.name, sm=f"{props.major}.{props.minor}", torch=torch.__version__, triton=triton.__version__,
+                cuda=torch.version.cuda, cudnn=torch.backends.cudnn.version(), python=platform.python_version(),
+                date=time.strftime("%Y-%m-%d"))
+
+
+# ------------------------------------------------------------------ reports
+
+def markdown(rows, env):
+    lines = [f"Card: {env['card']} (sm_{env['sm'].replace('.', '')}); torch {env['torch']}, Triton {env['triton']}, "
+             f"CUDA {env['cuda']}, cuDNN {env['cudnn']}; {env['date']}.", ""]
+    for grid in ("paper", "long"):
+        grid_rows = [r for r in rows if r["grid"] == grid]
+        keys = sorted({(r["D"], r["causal"], r["dtype"]) for r in grid_rows})
+        for mode in MODES:
+            for D, causal, dtype in keys:
+                sel = [r for r in grid_rows if (r["D"], r["causal"], r["dtype"]) == (D, causal, dtype)]
+                providers = [p for p in PROVIDERS if any(r["provider"] == p for r in sel)]
+                lines += [f"**{grid} grid, {mode}, D={D}, {'causal' if causal else 'not causal'}, {dtype}** "
+                          "(TFLOP/s; x = triton over sdpa_flash / sdpa_cudnn)", "",
+                          "| N | " + " | ".join(providers) + " | x flash | x cuDNN |",
+                          "|---" * (len(providers) + 3) + "|"]
+                for n in sorted({r["N"] for r in sel}):
+                    cell = {r["provider"]: r for r in sel if r["N"] == n}
+                    tf = {p: cell[p][mode]["tflops"] for p in providers if p in cell and cell[p]["status"] == "ok"}
+                    values = [f"{tf[p]:.0f}" if p in tf else ("OOM" if p in cell and "memory" in cell[p]["status"] else "–")
+                              for p in providers]
+                    ratio = lambda peer: f"{tf['triton'] / tf[peer]:.2f}" if "triton" in tf and peer in tf else "–"
+                    lines.append(f"| {n} | " + " | ".join(values) + f" | {ratio('sdpa_flash')} | {ratio('sdpa_cudnn')} |")
+                lines.append("")
+        mem_keys = sorted({(r["D"], r["causal"], r["dtype"]) for r in grid_rows})
+        for D, causal, dtype in mem_keys[:1] if grid == "paper" else mem_keys:
+            sel = [r for r in grid_rows if (r["D"], r["causal"], r["dtype"]) == (D, causal, dtype)]
+            providers = [p for p in PROVIDERS if any(r["provider"] == p for r in sel)]
+            lines += [f"**{grid} grid, peak memory of forward+backward beyond the inputs (MB), D={D}, "
+                      f"{'causal' if causal else 'not causal'}, {dtype}**", "",
+                      "| N | " + " | ".join(providers) + " |", "|---" * (len(providers) + 1) + "|"]
+            for n in sorted({r["N"] for r in sel}):
+                cell = {r["provider"]: r for r in sel if r["N"] == n}
+                lines.append(f"| {n} | " + " | ".join(
+                    (f"{cell[p]['peak_mem_mb']:.0f}" if cell[p]["status"] == "ok" else "OOM" if "memory" in cell[p]["status"] else "–")
+                    if p in cell else "–" for p in providers) + " |")
+            lines.append("")
+    return "\n".join(lines)
+
+
+def plot(rows, grid, path):
+    import matplotlib
+    matplotlib.use("Agg")
+    import matplotlib.pyplot as plt
+
+    rows = [r for r in rows if r["grid"] == grid and r["status"] == "ok"]
+    panels = sorted({(r["D"], r["causal"], r["dtype"]) for r in rows})
+    fig, axes = plt.subplots(len(MODES), len(panels), figsize=(4 * len(panels), 3.2 * len(MODES)), squeeze=False)
+    for col, (D, causal, dtype) in enumerate(panels):
+        for row_i, mode in enumerate(MODES):
+            ax = axes[row_i][col]
+            for p in PROVIDERS:
+                pts = sorted((r["N"], r[mode]["tflops"]) for r in rows
+                             if r["provider"] == p and (r["D"], r["causal"], r["dtype"]) == (D, causal, dtype))
+                if pts:
+                    ax.plot(*zip(*pts), marker="o", ms=3, label=p, lw=2.5 if p == "triton" else 1.2)
+            ax.set_xscale("log", base=2)
+            ax.set_title(f"{mode}, D={D}, {'causal' if causal else 'full'}, {dtype}", fontsize=9)
+            ax.set_xlabel("sequence length N")
+            ax.set_ylabel("TFLOP/s")
+            ax.grid(alpha=0.3)
+    axes[0][0].legend(fontsize=7)
+    fig.tight_layout()
+    fig.savefig(path, dpi=110)
+
+
+# ------------------------------------------------------------------ tile-config sweep
+
+def sweep_configs(out):
+    """Time each kernel with every candidate config (a superset of the autotuner's lists) at
+    one paper-grid shape per head dim, on both load paths, and print them fastest first."""
+    wide = [(a, b, w, s) for a in (64, 128) for b in (32, 64, 128) for w in (4, 8) for s in (2, 3, 4)]
+    bwd = [(a, b, w, s) for a in (64, 128) for b in (16, 32, 64) for w in (4, 8) for s in (2, 3)]
+    jobs = [("fwd", dict(BLOCK_M=a, BLOCK_N=b), w, s) for a, b, w, s in wide]
+    jobs += [("dkdv", dict(BLOCK_N=a, BLOCK_M=b), w, s) for a, b, w, s in bwd]
+    jobs += [("dq", dict(BLOCK_M=a, BLOCK_N=b), w, s) for a, b, w, s in bwd]
+    # cp.async (tma=False) is what cards before Hopper run; here it is timed for the forward only.
+    cases = [(D, causal, tma) for D in (64, 128) for causal in (False, True) for tma in (True, False)]
+    work = [(kernel, tiles, w, s, D, causal, tma) for D, causal, tma in cases for kernel, tiles, w, s in jobs
+            if tma or kernel == "fwd"]
+    # Compiling is the slow part and needs no GPU time: compile every config in parallel first.
+    with ProcessPoolExecutor(max_workers=min(16, os.cpu_count()), mp_context=get_context("spawn")) as pool:
+        list(pool.map(_run_config, work, [1] * len(work)))
+    results = [dict(kernel=kernel, tiles=tiles, num_warps=w, num_stages=s, D=D, causal=causal, tma=tma,
+                    ms=_run_config((kernel, tiles, w, s, D, causal, tma), 0))
+               for kernel, tiles, w, s, D, causal, tma in work]
+    with open(os.path.join(out, "configs.json"), "w") as f:
+        json.dump(dict(env=environment(), results=results), f, indent=1)
+    for D, causal, tma in cases:
+        for kernel in ("fwd", "dkdv", "dq"):
+            sel = sorted((r for r in results if (r["kernel"], r["D"], r["causal"], r["tma"]) == (kernel, D, causal, tma)
+                          and r["ms"] is not None), key=lambda r: r["ms"])
+            print(f"{kernel} D={D} causal={causal} tma={tma}: " + ", ".join(
+                f"{tuple(r['tiles'].values())}w{r['num_warps']}s{r['num_stages']} {r['ms']:.3f}" for r in sel[:6]))
+
+
+def _run_config(job, warm_only):
+    """Run once (warm_only=1: compiles it) or time one kernel config on the paper-grid shape
+    N=4096, bf16. None if it does not fit the card."""
+    kernel, tiles, num_warps, num_stages, D, causal, tma = job
+    shape = dict(B=4, H=2048 // D, N=4096, D=D, causal=causal, dtype="bfloat16")
+    _, q, k, v = make_inputs(shape, requires_grad=False)
+    config = triton.Config(tiles, num_warps=num_warps, num_stages=num_stages)
+    smem_rows = dict(fwd=forward_smem_rows, dkdv=dkdv_smem_rows, dq=dq_smem_rows)[kernel]
+    if shared_memory_bytes(config, smem_rows, D, q.element_size(), tma) > shared_memory_limit(q.device):
+        return None
+    if kernel == "fwd":
+        fn = lambda: flash_forward(q, k, v, causal, config=config, use_tma=tma)
+    else:  # the other backward kernel keeps one fixed config, so differences are this kernel's
+        o, lse = flash_forward(q, k, v, causal, config=triton.Config(dict(BLOCK_M=128, BLOCK_N=64), num_warps=4,
+                                                                     num_stages=3), use_tma=tma)
+        do = torch.randn_like(o)
+        fixed = dict(dkdv_config=triton.Config(dict(BLOCK_N=128, BLOCK_M=32), num_warps=4, num_stages=3),
+                     dq_config=triton.Config(dict(BLOCK_M=128, BLOCK_N=32), num_warps=4, num_stages=3))
+        fixed[f"{kernel}_config"] = config
+        fn = lambda: flash_backward(q, k, v, o, do, lse, causal, use_tma=tma, **fixed)
+    try:
+        if warm_only:
+            fn()
+            return None
+        return triton.testing.do_bench(fn, warmup=10, rep=40, return_mode="median")
+    except triton.runtime.errors.OutOfResources:
+        return None
+
+
+def main():
+    parser = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
+    parser.add_argument("--out", default="bench-out", help="folder for attention.json/.md/.png")
+    parser.add_argument("--quick", action="store_true", help="a few shapes of each grid")
+    parser.add_argument("--grid", choices=("paper", "long", "all"), default="all")
+    parser.add_argument("--providers", default=",".join(PROVIDERS), help="comma-separated subset of " + ",".join(PROVIDERS))
+    parser.add_argument("--rep_ms", type=int, default=100, help="do_bench's timing window per measurement")
+    parser.add_argument("--configs", action="store_true", help="sweep the Triton kernels' tile configs instead")
+    args = parser.parse_args()
+    if not torch.cuda.is_available():
+        raise SystemExit("bench.py needs a CUDA GPU")
+    providers = args.providers.split(",")
+    unknown = sorted(set(providers) - set(PROVIDERS))
+    if unknown:
+        raise SystemExit(f"--providers: unknown {unknown}; choose from {','.join(PROVIDERS)}")
+    os.makedirs(args.out, exist_ok=True)
+    if args.configs:
+        return sweep_configs(args.out)
+
+    env = environment()
+    print(" ".join(f"{k}={v}" for k, v in env.items()))
+    grids = {"paper": paper_grid(args.quick), "long": long_grid(args.quick)}
+    rows = []
+    for grid, shapes in grids.items():
+        if args.grid in (grid, "all"):
+            for shape in shapes:
+                rows += bench_shape(grid, shape, providers, args.rep_ms)
+    with open(os.path.join(args.out, "attention.json"), "w") as f:
+        json.dump(dict(env=env, sdpa_backends={k: str(v) for k, v in SDPA_BACKENDS.items()}, results=rows), f, indent=1)
+    with open(os.path.join(args.out, "attention.md"), "w") as f:
+        f.write(markdown(rows, env))
+    for grid, name in (("paper", "attention.png"), ("long", "attention_long.png")):
+        if any(r["grid"] == grid for r in rows):
+            plot(rows, grid, os.path.join(args.out, name))
+    print(f"wrote {args.out}/attention.json, attention.md and plots")
+
+
+if __name__ == "__main__":
+    main()

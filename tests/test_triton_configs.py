@@ -1,0 +1,97 @@
+"""Every tile config the code can pick on the 12 GB target card (RTX 4070 Super, sm_89) fits
+its 99 KB of shared memory, and every kernel compiles for sm_89 and for Hopper (sm_90, TMA).
+
+Triton compiles for a GPU target without a GPU; the compiler reports the shared memory each
+kernel allocates. The prune in attention/triton_common.py keeps a config when its estimate
+fits; this checks the compiler's real number against the limit at the largest head dim and
+element size the estimate lets each config through for. Runs in a subprocess, because the
+test process runs the kernels through the interpreter.
+"""
+import json
+import os
+import subprocess
+import sys
+
+import pytest
+
+from attention.triton_common import ADA_SHARED_MEMORY_BYTES
+
+HEAD_DIMS = (16, 32, 64, 128)
+TENSOR_POINTERS = {"Q", "K", "V", "O", "dO", "dQ", "dK", "dV"}
+FLOAT32_POINTERS = {"L", "LSE", "Delta"}
+ELEMENT_TYPES = {"bf16": 2, "fp32": 4}
+
+
+def compile_for(kernel, element_type, constexprs, capability, num_warps, num_stages):
+    """triton.compile one kernel for a GPU target, with the alignment Triton infers at launch
+    for the model's tensors (pointers and integer arguments divisible by 16)."""
+    import triton
+    from triton.backends.compiler import GPUTarget
+    from triton.compiler import ASTSource
+
+    signature, attrs = {}, {}
+    for i, name in enumerate(kernel.arg_names):
+        if name in constexprs:
+            signature[name] = "constexpr"
+        elif name in ("qk_scale", "sm_scale"):
+            signature[name] = "fp32"
+        else:
+            signature[name] = ("*fp32" if name in FLOAT32_POINTERS else "*" + element_type
+                               if name in TENSOR_POINTERS else "i32")
+            attrs[(i,)] = [["tt.divisibility", 16]]
+    source = ASTSource(kernel, signature, constexprs=constexprs, attrs=attrs)
+    target = GPUTarget("cuda", capability, 64 if capability >= 90 else 32)
+    return triton.compile(source, target=target, options=dict(num_warps=num_warps, num_stages=num_stages))
+
+
+def measure():
+    """For each kernel and config, compile at the largest (head dim, element size) the estimate
+    admits on sm_89 (cp.async) and report the compiler's shared memory; also compile it for sm_90."""
+    from attention.triton_backward import DKDV_CONFIGS, DQ_CONFIGS, _bwd_dkdv, _bwd_dq, dkdv_smem_rows, dq_smem_rows
+    from attention.triton_common import shared_memory_bytes
+    from attention.triton_forward import FORWARD_CONFIGS, _attn_fwd, forward_smem_rows
+
+    results = []
+    for kernel, configs, smem_rows in ((_attn_fwd, FORWARD_CONFIGS, forward_smem_rows),
+                                       (_bwd_dkdv, DKDV_CONFIGS, dkdv_smem_rows), (_bwd_dq, DQ_CONFIGS, dq_smem_rows)):
+        for config in configs:
+            for element_type, size in ELEMENT_TYPES.items():
+                admitted = [d for d in HEAD_DIMS
+                            if shared_memory_bytes(config, smem_rows, d, size, use_tma=False) <= ADA_SHARED_MEMORY_BYTES]
+                if not admitted:
+                    continue
+                constexprs = dict(config.kwargs, IS_CAUSAL=True, HEAD_DIM=max(admitted), USE_TMA=False)
+                compiled = compile_for(kernel, element_type, constexprs, 89, config.num_warps, config.num_stages)
+                results.append(dict(kernel=kernel.__name__, config=str(config), element_type=element_type,
+                                    head_dim=max(admitted), shared=compiled.metadata.shared))
+            hopper = dict(config.kwargs, IS_CAUSAL=True, HEAD_DIM=128, USE_TMA=True)
+            compile_for(kernel, "bf16", hopper, 90, config.num_warps, config.num_stages)
+    return results
+
+
+@pytest.fixture(scope="module")
+def compiled():
+    root = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
+    env = dict(os.environ, TRITON_INTERPRET="0", TRITON_DEFAULT_FP_FUSION="1", PYTHONPATH=root)
+    out = subprocess.run([sys.executable, __file__], env=env, capture_output=True, text=True, timeout=1800, cwd=root)
+    assert out.returncode == 0, out.stderr[-3000:]
+    return json.loads(out.stdout.strip().splitlines()[-1])
+
+
+def test_every_ada_config_fits_shared_memory(compiled):
+    assert compiled, "no config was compiled"
+    too_big = [r for r in compiled if r["shared"] > ADA_SHARED_MEMORY_BYTES]
+    assert not too_big, f"configs over sm_89's {ADA_SHARED_MEMORY_BYTES} bytes: {too_big}"
+
+
+def test_every_kernel_has_an_ada_config_for_every_head_dim(compiled):
+    """Some config is admitted at head dim 128 (and so, smaller dims) for every kernel and
+    element size, so the prune never has to fall back to a config the card cannot hold."""
+    for kernel in ("_attn_fwd", "_bwd_dkdv", "_bwd_dq"):
+        for element_type in ELEMENT_TYPES:
+            dims = {r["head_dim"] for r in compiled if r["kernel"] == kernel and r["element_type"] == element_type}
+            assert dims and max(dims) == 128, f"{kernel} {element_type}: no config admitted at head dim 128"
+
+
+if __name__ == "__main__":
+    print(json.dumps(measure()))
