@@ -39,15 +39,16 @@ def save_checkpoint(state, out_dir):
         os.fsync(dir_fd)
     finally:
         os.close(dir_fd)
-    return path
 
 
-def load_checkpoint(out_dir, map_location="cpu"):
+def load_checkpoint(out_dir):
+    """The checkpoint in out_dir, loaded to the CPU (load_state_dict moves tensors to the
+    model's device), or a CheckpointError saying what is wrong with it."""
     path = checkpoint_path(out_dir)
     if not os.path.exists(path):
         raise CheckpointError(f"no checkpoint at {path}: train one first, or check out_dir")
     try:
-        state = torch.load(path, map_location=map_location, weights_only=True)
+        state = torch.load(path, map_location="cpu", weights_only=True)
     except Exception as e:
         raise CheckpointError(f"{path} cannot be read, it is truncated or corrupt ({type(e).__name__}: "
                               f"{e}). Restore it from a copy, or train from scratch") from None

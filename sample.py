@@ -67,7 +67,7 @@ def main(argv=None):
         prompt = read_prompt(config.start)
         device = pick_device(config.device)
         amp = autocast(device, pick_dtype(config.dtype, device))
-        ckpt = load_checkpoint(config.out_dir, map_location=device)
+        ckpt = load_checkpoint(config.out_dir)
     except (ConfigError, DeviceError, CheckpointError) as e:
         sys.exit(f"error: {e}")
 
@@ -76,7 +76,10 @@ def main(argv=None):
         model_args.attn = config.attn
     model_args.dropout = 0.0
     model = GPT(model_args)
-    model.load_state_dict(ckpt["model"])
+    try:
+        model.load_state_dict(ckpt["model"])
+    except RuntimeError as e:
+        sys.exit(f"error: the weights in {config.out_dir}/ckpt.pt do not fit the model it describes: {e}")
     model.eval().to(device)
     print(f"sampling from {config.out_dir} (iter {ckpt['iter']}) with attn={model_args.attn} on {device}",
           file=sys.stderr)

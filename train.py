@@ -274,7 +274,9 @@ def run(config):
     it, best_val_loss, last_saved_iter = 0, math.inf, None
 
     if config.init_from == "resume":
-        ckpt = load_checkpoint(config.out_dir, map_location=device)
+        # Loaded to the CPU: RNG states must stay CPU tensors, and load_state_dict moves
+        # weights and optimizer state to the model's device itself.
+        ckpt = load_checkpoint(config.out_dir)
         check_same_shape(ckpt["model_args"], model_args, ckpt_path)
         try:
             model.load_state_dict(ckpt["model"])
