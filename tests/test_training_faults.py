@@ -20,9 +20,8 @@ from conftest import REPO, run_script, script_command
 
 def start_train(args, log_dir):
     """train.py in the background, its output going to files (a pipe nobody reads can fill up)."""
-    stdout = open(log_dir / "stdout.txt", "w")
-    stderr = open(log_dir / "stderr.txt", "w")
-    return subprocess.Popen(script_command("train.py", *args), cwd=REPO, stdout=stdout, stderr=stderr)
+    with open(log_dir / "stdout.txt", "w") as stdout, open(log_dir / "stderr.txt", "w") as stderr:
+        return subprocess.Popen(script_command("train.py", *args), cwd=REPO, stdout=stdout, stderr=stderr)
 
 
 def wait_until(condition, process, timeout=120, poll=0.005):
