@@ -23,9 +23,9 @@ import torch.nn.functional as F
 from torch.nn.attention import SDPBackend, sdpa_kernel
 
 from attention import attention
-from attention.triton_backward import dkdv_smem_rows, dq_smem_rows, flash_backward
+from attention.triton_backward import DKDV_CONFIGS, DQ_CONFIGS, dkdv_smem_rows, dq_smem_rows, flash_backward
 from attention.triton_common import shared_memory_bytes, shared_memory_limit
-from attention.triton_forward import flash_forward, forward_smem_rows
+from attention.triton_forward import FORWARD_CONFIGS, flash_forward, forward_smem_rows
 
 import triton  # noqa: E402, I001  (after attention, which decides whether Triton interprets)
 
@@ -212,10 +212,8 @@ def sweep_configs(out):
     jobs = [("fwd", dict(BLOCK_M=a, BLOCK_N=b), w, s) for a, b, w, s in wide]
     jobs += [("dkdv", dict(BLOCK_N=a, BLOCK_M=b), w, s) for a, b, w, s in bwd]
     jobs += [("dq", dict(BLOCK_M=a, BLOCK_N=b), w, s) for a, b, w, s in bwd]
-    # cp.async (tma=False) is what cards before Hopper run; here it is timed for the forward only.
     cases = [(D, causal, tma) for D in (64, 128) for causal in (False, True) for tma in (True, False)]
-    work = [(kernel, tiles, w, s, D, causal, tma) for D, causal, tma in cases for kernel, tiles, w, s in jobs
-            if tma or kernel == "fwd"]
+    work = [(kernel, tiles, w, s, D, causal, tma) for D, causal, tma in cases for kernel, tiles, w, s in jobs]
     # Compiling is the slow part and needs no GPU time: compile every config in parallel first.
     with ProcessPoolExecutor(max_workers=min(16, os.cpu_count()), mp_context=get_context("spawn")) as pool:
         list(pool.map(_run_config, work, [1] * len(work)))
@@ -238,20 +236,18 @@ def _run_config(job, warm_only):
     kernel, tiles, num_warps, num_stages, D, causal, tma = job
     shape = dict(B=4, H=2048 // D, N=4096, D=D, causal=causal, dtype="bfloat16")
     _, q, k, v = make_inputs(shape, requires_grad=False)
-    config = triton.Config(tiles, num_warps=num_warps, num_stages=num_stages)
+    config = triton.Config(dict(tiles, USE_TMA=tma), num_warps=num_warps, num_stages=num_stages)
     smem_rows = dict(fwd=forward_smem_rows, dkdv=dkdv_smem_rows, dq=dq_smem_rows)[kernel]
-    if shared_memory_bytes(config, smem_rows, D, q.element_size(), tma) > shared_memory_limit(q.device):
+    if shared_memory_bytes(config, smem_rows, D, q.element_size()) > shared_memory_limit(q.device):
         return None
     if kernel == "fwd":
-        fn = lambda: flash_forward(q, k, v, causal, config=config, use_tma=tma)
+        fn = lambda: flash_forward(q, k, v, causal, config=config)
     else:  # the other backward kernel keeps one fixed config, so differences are this kernel's
-        o, lse = flash_forward(q, k, v, causal, config=triton.Config(dict(BLOCK_M=128, BLOCK_N=64), num_warps=4,
-                                                                     num_stages=3), use_tma=tma)
+        o, lse = flash_forward(q, k, v, causal, config=FORWARD_CONFIGS[0])
         do = torch.randn_like(o)
-        fixed = dict(dkdv_config=triton.Config(dict(BLOCK_N=128, BLOCK_M=32), num_warps=4, num_stages=3),
-                     dq_config=triton.Config(dict(BLOCK_M=128, BLOCK_N=32), num_warps=4, num_stages=3))
+        fixed = dict(dkdv_config=DKDV_CONFIGS[0], dq_config=DQ_CONFIGS[0])
         fixed[f"{kernel}_config"] = config
-        fn = lambda: flash_backward(q, k, v, o, do, lse, causal, use_tma=tma, **fixed)
+        fn = lambda: flash_backward(q, k, v, o, do, lse, causal, **fixed)
     try:
         if warm_only:
             fn()

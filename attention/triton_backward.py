@@ -16,7 +16,7 @@ import torch
 import triton
 import triton.language as tl
 
-from .triton_common import has_tma, prune_configs, seq_bucket
+from .triton_common import prune_configs, seq_bucket, set_tma_scratch_allocator
 from .triton_forward import LOG2_E, _head_matrix, _key_tile_bounds, _load_tile, _store_tile
 
 LOG2_E_ = tl.constexpr(LOG2_E)
@@ -24,13 +24,14 @@ LOG2_E_ = tl.constexpr(LOG2_E)
 
 @triton.jit(do_not_specialize=["N_Q"])
 def _bwd_preprocess(O, dO, Delta, stride_ob, stride_oh, stride_on, stride_dob, stride_doh, stride_don,
-                    H, N_Q, HEAD_DIM: tl.constexpr, USE_TMA: tl.constexpr, BLOCK_M: tl.constexpr):
+                    H, N_Q, HEAD_DIM: tl.constexpr, BLOCK_M: tl.constexpr):
+    """Delta for one tile of query rows: one pass over O and dO, memory-bound, plain loads."""
     start_m = tl.program_id(0) * BLOCK_M
     bh = tl.program_id(1)
-    O = _head_matrix(O, bh, H, stride_ob, stride_oh, stride_on, N_Q, HEAD_DIM, BLOCK_M, USE_TMA)
-    dO = _head_matrix(dO, bh, H, stride_dob, stride_doh, stride_don, N_Q, HEAD_DIM, BLOCK_M, USE_TMA)
-    o_tile = _load_tile(O, start_m, N_Q, stride_on, BLOCK_M, HEAD_DIM, USE_TMA).to(tl.float32)
-    do_tile = _load_tile(dO, start_m, N_Q, stride_don, BLOCK_M, HEAD_DIM, USE_TMA).to(tl.float32)
+    O = _head_matrix(O, bh, H, stride_ob, stride_oh, stride_on, N_Q, HEAD_DIM, BLOCK_M, False)
+    dO = _head_matrix(dO, bh, H, stride_dob, stride_doh, stride_don, N_Q, HEAD_DIM, BLOCK_M, False)
+    o_tile = _load_tile(O, start_m, N_Q, stride_on, BLOCK_M, HEAD_DIM, False).to(tl.float32)
+    do_tile = _load_tile(dO, start_m, N_Q, stride_don, BLOCK_M, HEAD_DIM, False).to(tl.float32)
     rows = start_m + tl.arange(0, BLOCK_M)
     tl.store(Delta + bh * N_Q + rows, tl.sum(o_tile * do_tile, 1), mask=rows < N_Q)
 
@@ -64,8 +65,8 @@ def _bwd_dkdv(Q, K, V, dO, dK, dV, LSE, Delta,
               stride_vb, stride_vh, stride_vn, stride_dob, stride_doh, stride_don,
               stride_dkb, stride_dkh, stride_dkn, stride_dvb, stride_dvh, stride_dvn,
               H, N_Q, N_K, qk_scale, sm_scale, N_Q_BUCKET, N_K_BUCKET,
-              IS_CAUSAL: tl.constexpr, HEAD_DIM: tl.constexpr, USE_TMA: tl.constexpr,
-              BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr):
+              IS_CAUSAL: tl.constexpr, HEAD_DIM: tl.constexpr,
+              BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr, USE_TMA: tl.constexpr):
     start_n = tl.program_id(0) * BLOCK_N
     bh = tl.program_id(1)
     Q = _head_matrix(Q, bh, H, stride_qb, stride_qh, stride_qn, N_Q, HEAD_DIM, BLOCK_M, USE_TMA)
@@ -125,8 +126,8 @@ def _bwd_dq(Q, K, V, dO, dQ, LSE, Delta,
             stride_vb, stride_vh, stride_vn, stride_dob, stride_doh, stride_don,
             stride_dqb, stride_dqh, stride_dqn,
             H, N_Q, N_K, qk_scale, sm_scale, N_Q_BUCKET, N_K_BUCKET,
-            IS_CAUSAL: tl.constexpr, HEAD_DIM: tl.constexpr, USE_TMA: tl.constexpr,
-            BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr):
+            IS_CAUSAL: tl.constexpr, HEAD_DIM: tl.constexpr,
+            BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr, USE_TMA: tl.constexpr):
     tile_m = tl.program_id(0)
     if IS_CAUSAL:  # the longest query tiles first, as in the forward
         tile_m = tl.num_programs(0) - 1 - tile_m
@@ -163,13 +164,20 @@ def dq_smem_rows(config):
     return 2 * config.kwargs["BLOCK_M"], 2 * config.kwargs["BLOCK_N"]
 
 
-# (resident tile, streamed tile, num_warps, num_stages) the autotuner chooses among.
-_BACKWARD_TILES = [(64, 16, 4, 2), (64, 32, 4, 3), (64, 64, 4, 3), (128, 32, 4, 3), (128, 64, 8, 3), (128, 32, 8, 2),
-                   (128, 64, 8, 2)]
-DKDV_CONFIGS = [triton.Config({"BLOCK_N": r, "BLOCK_M": m}, num_warps=w, num_stages=s) for r, m, w, s in _BACKWARD_TILES]
-DQ_CONFIGS = [triton.Config({"BLOCK_M": r, "BLOCK_N": n}, num_warps=w, num_stages=s) for r, n, w, s in _BACKWARD_TILES]
+# (resident tile, streamed tile, num_warps, num_stages, TMA) the autotuner chooses among,
+# from bench.py --configs on the H200; the last is the one that fits sm_89 with float32 at D=128.
+_BACKWARD_CONFIGS = {
+    "dkdv": [(64, 32, 4, 2, True), (64, 64, 4, 2, True), (128, 64, 8, 2, True),
+             (64, 32, 4, 2, False), (64, 64, 4, 2, False), (128, 32, 4, 3, False), (64, 16, 4, 2, False)],
+    "dq": [(64, 64, 4, 3, True), (128, 64, 8, 3, True), (64, 32, 4, 3, True),
+           (64, 64, 4, 3, False), (128, 64, 8, 3, False), (64, 32, 4, 3, False), (64, 16, 4, 2, False)],
+}
+DKDV_CONFIGS = [triton.Config({"BLOCK_N": r, "BLOCK_M": m, "USE_TMA": tma}, num_warps=w, num_stages=s)
+                for r, m, w, s, tma in _BACKWARD_CONFIGS["dkdv"]]
+DQ_CONFIGS = [triton.Config({"BLOCK_M": r, "BLOCK_N": n, "USE_TMA": tma}, num_warps=w, num_stages=s)
+              for r, n, w, s, tma in _BACKWARD_CONFIGS["dq"]]
 
-_KEY = ["N_Q_BUCKET", "N_K_BUCKET", "HEAD_DIM", "IS_CAUSAL", "USE_TMA"]
+_KEY = ["N_Q_BUCKET", "N_K_BUCKET", "HEAD_DIM", "IS_CAUSAL"]
 _bwd_dkdv_tuned = triton.autotune(DKDV_CONFIGS, key=_KEY,
                                   prune_configs_by={"early_config_prune": partial(prune_configs, tiles=dkdv_smem_rows)})(_bwd_dkdv)
 _bwd_dq_tuned = triton.autotune(DQ_CONFIGS, key=_KEY,
@@ -178,11 +186,10 @@ _bwd_dq_tuned = triton.autotune(DQ_CONFIGS, key=_KEY,
 PREPROCESS_BLOCK_M = 64
 
 
-def flash_backward(q, k, v, o, do, lse, is_causal, dkdv_config=None, dq_config=None, use_tma=None):
+def flash_backward(q, k, v, o, do, lse, is_causal, dkdv_config=None, dq_config=None):
     """Gradients of O = attention(q, k, v) for (B, H, N, D) descriptor-ready q, k, v, o, do
     and the forward's contiguous float32 L. Returns contiguous dq, dk, dv in q's dtype.
-    dkdv_config / dq_config: triton.Configs to bypass the autotuner; use_tma: force the load
-    path (default: TMA on Hopper and newer). Both are for tests and bench.py."""
+    dkdv_config / dq_config: triton.Configs to bypass the autotuner (tests, bench.py)."""
     B, H, N_Q, D = q.shape
     N_K = k.shape[2]
     dq = torch.zeros(q.shape, dtype=q.dtype, device=q.device)
@@ -190,11 +197,10 @@ def flash_backward(q, k, v, o, do, lse, is_causal, dkdv_config=None, dq_config=N
     dv = torch.zeros(v.shape, dtype=v.dtype, device=v.device)
     if B * H * N_Q * N_K == 0:  # no query or no key: every gradient is zero
         return dq, dk, dv
-    use_tma = has_tma(q.device) if use_tma is None else use_tma
+    set_tma_scratch_allocator()
     delta = torch.empty((B, H, N_Q), dtype=torch.float32, device=q.device)
     _bwd_preprocess[(triton.cdiv(N_Q, PREPROCESS_BLOCK_M), B * H)](
-        o, do, delta, *o.stride()[:3], *do.stride()[:3], H, N_Q, HEAD_DIM=D, USE_TMA=use_tma,
-        BLOCK_M=PREPROCESS_BLOCK_M)
+        o, do, delta, *o.stride()[:3], *do.stride()[:3], H, N_Q, HEAD_DIM=D, BLOCK_M=PREPROCESS_BLOCK_M)
 
     sm_scale = D ** -0.5
     shape_args = (H, N_Q, N_K, sm_scale * LOG2_E, sm_scale, seq_bucket(N_Q), seq_bucket(N_K))
@@ -203,10 +209,10 @@ def flash_backward(q, k, v, o, do, lse, is_causal, dkdv_config=None, dq_config=N
     kernel, extra = (_bwd_dkdv_tuned, {}) if dkdv_config is None else (_bwd_dkdv, dkdv_config.all_kwargs())
     grid = lambda meta: (triton.cdiv(N_K, meta["BLOCK_N"]), B * H)
     kernel[grid](q, k, v, do, dk, dv, lse, delta, *strides, *dk.stride()[:3], *dv.stride()[:3], *shape_args,
-                 IS_CAUSAL=is_causal, HEAD_DIM=D, USE_TMA=use_tma, **extra)
+                 IS_CAUSAL=is_causal, HEAD_DIM=D, **extra)
 
     kernel, extra = (_bwd_dq_tuned, {}) if dq_config is None else (_bwd_dq, dq_config.all_kwargs())
     grid = lambda meta: (triton.cdiv(N_Q, meta["BLOCK_M"]), B * H)
     kernel[grid](q, k, v, do, dq, lse, delta, *strides, *dq.stride()[:3], *shape_args,
-                 IS_CAUSAL=is_causal, HEAD_DIM=D, USE_TMA=use_tma, **extra)
+                 IS_CAUSAL=is_causal, HEAD_DIM=D, **extra)
     return dq, dk, dv

@@ -8,9 +8,11 @@ import triton
 
 INTERPRETING = os.environ.get("TRITON_INTERPRET") == "1"
 
-# The kernels build TMA tensor descriptors on the device; Triton asks for a little global
-# scratch memory per launch to hold them.
-triton.set_allocator(lambda size, alignment, stream: torch.empty(size, dtype=torch.int8, device="cuda"))
+
+def set_tma_scratch_allocator():
+    """The kernels build TMA tensor descriptors on the device, in a little global scratch memory
+    Triton asks for at each launch. Its allocator is a context variable, so set it per launch."""
+    triton.set_allocator(lambda size, alignment, stream: torch.empty(size, dtype=torch.int8, device="cuda"))
 
 # Shared memory of the target card, the RTX 4070 Super (sm_89): 99 KB per block. Every
 # config the code can pick on such a card must fit it; tests/test_triton_configs.py
@@ -69,21 +71,24 @@ def shared_memory_limit(device):
 SHARED_MEMORY_SLACK_BYTES = 8192
 
 
-def shared_memory_bytes(config, smem_rows, head_dim, element_size, use_tma):
+def shared_memory_bytes(config, smem_rows, head_dim, element_size):
     """Shared memory a config needs. smem_rows(config) -> (resident, streamed): how many
     HEAD_DIM-wide rows a program keeps for its whole life, and how many each pipeline stage
     holds. TMA keeps num_stages stages in flight; cp.async num_stages - 1 (the stage being
     computed on has moved to registers). tests/test_triton_configs.py checks this bound
     against what the compiler allocates for sm_89."""
     resident, streamed = smem_rows(config)
-    stages = config.num_stages if use_tma else config.num_stages - 1
+    stages = config.num_stages if config.kwargs["USE_TMA"] else config.num_stages - 1
     return element_size * head_dim * (resident + stages * streamed) + SHARED_MEMORY_SLACK_BYTES
 
 
 def prune_configs(configs, named_args, tiles, **kwargs):
-    """Autotuner pre-filter: drop configs whose tiles would not fit the card's shared memory."""
+    """Autotuner pre-filter: drop TMA configs on cards without TMA, and configs whose tiles
+    would not fit the card's shared memory."""
     q = named_args["Q"]
-    footprint = lambda c: shared_memory_bytes(c, tiles, kwargs["HEAD_DIM"], q.element_size(), kwargs["USE_TMA"])
+    if not has_tma(q.device) and not INTERPRETING:
+        configs = [c for c in configs if not c.kwargs["USE_TMA"]]
+    footprint = lambda c: shared_memory_bytes(c, tiles, kwargs["HEAD_DIM"], q.element_size())
     fits = [c for c in configs if footprint(c) <= shared_memory_limit(q.device)] or [min(configs, key=footprint)]
     if INTERPRETING:  # nothing to time: one config, the largest tiles (fewest interpreted programs)
         return [max(fits, key=lambda c: c.kwargs["BLOCK_M"] * c.kwargs["BLOCK_N"])]

@@ -15,7 +15,7 @@ import torch
 import triton
 import triton.language as tl
 
-from .triton_common import has_tma, prune_configs, seq_bucket
+from .triton_common import prune_configs, seq_bucket, set_tma_scratch_allocator
 
 LOG2_E = 1.4426950408889634
 LN_2 = tl.constexpr(0.6931471805599453)
@@ -105,8 +105,8 @@ def _attn_fwd(Q, K, V, O, L,
               stride_qb, stride_qh, stride_qn, stride_kb, stride_kh, stride_kn,
               stride_vb, stride_vh, stride_vn, stride_ob, stride_oh, stride_on,
               H, N_Q, N_K, qk_scale, N_Q_BUCKET, N_K_BUCKET,
-              IS_CAUSAL: tl.constexpr, HEAD_DIM: tl.constexpr, USE_TMA: tl.constexpr,
-              BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr):
+              IS_CAUSAL: tl.constexpr, HEAD_DIM: tl.constexpr,
+              BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr, USE_TMA: tl.constexpr):
     # Causal query tiles near the end have the most keys to visit: launch them first so the
     # short ones fill in the gaps at the end of the grid.
     tile_m = tl.program_id(0)
@@ -142,22 +142,24 @@ def forward_smem_rows(config):
     return config.kwargs["BLOCK_M"], 2 * config.kwargs["BLOCK_N"]
 
 
-# (BLOCK_M, BLOCK_N, num_warps, num_stages) the autotuner chooses among; bench.py --configs
-# times a wider set, and docs/optimisation.md says why these.
+# The autotuner's choices. Besides tile sizes, warps and pipeline depth, the load path is a
+# knob: on Hopper TMA won the full (non-causal) forward in bench.py --configs, cp.async the
+# causal one; cards without TMA keep the cp.async configs. docs/optimisation.md has the numbers.
 FORWARD_CONFIGS = [
-    triton.Config({"BLOCK_M": bm, "BLOCK_N": bn}, num_warps=w, num_stages=s)
-    for bm, bn, w, s in [(64, 32, 4, 2), (64, 64, 4, 3), (64, 128, 4, 3), (128, 32, 4, 3), (128, 64, 4, 3),
-                         (128, 64, 8, 3), (128, 128, 8, 3), (128, 64, 4, 4), (128, 128, 8, 2)]
+    triton.Config({"BLOCK_M": bm, "BLOCK_N": bn, "USE_TMA": tma}, num_warps=w, num_stages=s)
+    for bm, bn, w, s, tma in [
+        (64, 128, 4, 2, True), (64, 64, 4, 2, True), (128, 64, 4, 2, True), (64, 64, 4, 3, True), (128, 128, 4, 3, True),
+        (128, 64, 8, 3, False), (64, 64, 4, 3, False), (128, 32, 4, 3, False), (64, 32, 4, 2, False),
+    ]
 ]
 
-_attn_fwd_tuned = triton.autotune(FORWARD_CONFIGS, key=["N_Q_BUCKET", "N_K_BUCKET", "HEAD_DIM", "IS_CAUSAL", "USE_TMA"],
+_attn_fwd_tuned = triton.autotune(FORWARD_CONFIGS, key=["N_Q_BUCKET", "N_K_BUCKET", "HEAD_DIM", "IS_CAUSAL"],
                                   prune_configs_by={"early_config_prune": partial(prune_configs, tiles=forward_smem_rows)})(_attn_fwd)
 
 
-def flash_forward(q, k, v, is_causal, config=None, use_tma=None):
+def flash_forward(q, k, v, is_causal, config=None):
     """q, k, v: (B, H, N, D) descriptor-ready views. Returns O (B, H, N_q, D) in q's dtype
-    and L (B, H, N_q) float32. config: a triton.Config to bypass the autotuner; use_tma:
-    force the load path (default: TMA on Hopper and newer). Both are for tests and bench.py."""
+    and L (B, H, N_q) float32. config: a triton.Config to bypass the autotuner (tests, bench)."""
     B, H, N_Q, D = q.shape
     N_K = k.shape[2]
     o = torch.empty_like(q, memory_format=torch.contiguous_format)
@@ -171,6 +173,6 @@ def flash_forward(q, k, v, is_causal, config=None, use_tma=None):
     kernel = _attn_fwd_tuned if config is None else _attn_fwd
     extra = {} if config is None else config.all_kwargs()
     grid = lambda meta: (triton.cdiv(N_Q, meta["BLOCK_M"]), B * H)
-    use_tma = has_tma(q.device) if use_tma is None else use_tma
-    kernel[grid](*args, IS_CAUSAL=is_causal, HEAD_DIM=D, USE_TMA=use_tma, **extra)
+    set_tma_scratch_allocator()
+    kernel[grid](*args, IS_CAUSAL=is_causal, HEAD_DIM=D, **extra)
     return o, lse

@@ -160,13 +160,13 @@ def test_triton_kernels_with_explicit_tiles(block_m, block_n, is_causal, use_tma
     diagonal, and both sequences end mid-tile. Both load paths: TMA descriptors (Hopper) and
     masked pointer loads (older cards)."""
     q, k, v = (t.detach() for t in random_qkv((1, 2, 83, 32), 71, seed=block_m + block_n))
-    config = triton.Config({"BLOCK_M": block_m, "BLOCK_N": block_n})
-    o, lse = flash_forward(q, k, v, is_causal, config=config, use_tma=use_tma)
+    config = triton.Config({"BLOCK_M": block_m, "BLOCK_N": block_n, "USE_TMA": use_tma})
+    o, lse = flash_forward(q, k, v, is_causal, config=config)
     do = torch.randn_like(o)
     o_ref, lse_ref, dq_ref, dk_ref, dv_ref = reference(q, k, v, is_causal, do)
     assert_close(o, o_ref, 1e-4, "O")
     assert_close(lse, lse_ref, 1e-5, "L")
-    dq, dk, dv = flash_backward(q, k, v, o, do, lse, is_causal, dkdv_config=config, dq_config=config, use_tma=use_tma)
+    dq, dk, dv = flash_backward(q, k, v, o, do, lse, is_causal, dkdv_config=config, dq_config=config)
     for name, got, ref in (("dQ", dq, dq_ref), ("dK", dk, dk_ref), ("dV", dv, dv_ref)):
         assert_close(got, ref, 1e-4, name)
 
@@ -217,20 +217,20 @@ def _enabled(configs, smem_rows, q):
 
 
 @gpu
-@pytest.mark.parametrize("use_tma", [True, False])
 @pytest.mark.parametrize("dtype", [torch.bfloat16, torch.float16])
 @pytest.mark.parametrize("head_dim", [64, 128])
 @pytest.mark.parametrize("is_causal", [False, True])
-def test_gpu_every_tile_config_is_correct(head_dim, is_causal, dtype, use_tma):
-    """Every config the autotuner may pick, forward and both backward kernels, on both load paths."""
+def test_gpu_every_tile_config_is_correct(head_dim, is_causal, dtype):
+    """Every config the autotuner may pick on this card, forward and both backward kernels
+    (on Hopper both load paths: TMA and cp.async)."""
     q, k, v = (t.detach() for t in random_qkv((2, 2, 1031, head_dim), 1031, dtype=dtype, device="cuda", seed=head_dim))
     do = torch.randn_like(q)
     o_ref, lse_ref, dq_ref, dk_ref, dv_ref = reference(q, k, v, is_causal, do)
     tol = GPU_TOLERANCE[dtype]
     for config in _enabled(FORWARD_CONFIGS, forward_smem_rows, q):
-        o, lse = flash_forward(q, k, v, is_causal, config=config, use_tma=use_tma)
+        o, lse = flash_forward(q, k, v, is_causal, config=config)
         assert_close(o, o_ref, tol, f"O with {config}")
-    kwargs = dict(dkdv_config=DKDV_CONFIGS[0], dq_config=DQ_CONFIGS[0], use_tma=use_tma)
+    kwargs = dict(dkdv_config=DKDV_CONFIGS[0], dq_config=DQ_CONFIGS[0])
     for config in _enabled(DKDV_CONFIGS, dkdv_smem_rows, q):
         _, dk, dv = flash_backward(q, k, v, o, do, lse, is_causal, **{**kwargs, "dkdv_config": config})
         assert_close(dk, dk_ref, tol, f"dK with {config}")

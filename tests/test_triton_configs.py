@@ -45,8 +45,8 @@ def compile_for(kernel, element_type, constexprs, capability, num_warps, num_sta
 
 
 def measure():
-    """For each kernel and config, compile at the largest (head dim, element size) the estimate
-    admits on sm_89 (cp.async) and report the compiler's shared memory; also compile it for sm_90."""
+    """Compile every config for sm_90; for each cp.async config, also compile for sm_89 at the
+    largest head dim the estimate admits per element size, and report the compiler's shared memory."""
     from attention.triton_backward import DKDV_CONFIGS, DQ_CONFIGS, _bwd_dkdv, _bwd_dq, dkdv_smem_rows, dq_smem_rows
     from attention.triton_common import shared_memory_bytes
     from attention.triton_forward import FORWARD_CONFIGS, _attn_fwd, forward_smem_rows
@@ -55,17 +55,19 @@ def measure():
     for kernel, configs, smem_rows in ((_attn_fwd, FORWARD_CONFIGS, forward_smem_rows),
                                        (_bwd_dkdv, DKDV_CONFIGS, dkdv_smem_rows), (_bwd_dq, DQ_CONFIGS, dq_smem_rows)):
         for config in configs:
+            compile_for(kernel, "bf16", dict(config.kwargs, IS_CAUSAL=True, HEAD_DIM=128), 90, config.num_warps,
+                        config.num_stages)
+            if config.kwargs["USE_TMA"]:  # pruned on cards without TMA
+                continue
             for element_type, size in ELEMENT_TYPES.items():
                 admitted = [d for d in HEAD_DIMS
-                            if shared_memory_bytes(config, smem_rows, d, size, use_tma=False) <= ADA_SHARED_MEMORY_BYTES]
+                            if shared_memory_bytes(config, smem_rows, d, size) <= ADA_SHARED_MEMORY_BYTES]
                 if not admitted:
                     continue
-                constexprs = dict(config.kwargs, IS_CAUSAL=True, HEAD_DIM=max(admitted), USE_TMA=False)
+                constexprs = dict(config.kwargs, IS_CAUSAL=True, HEAD_DIM=max(admitted))
                 compiled = compile_for(kernel, element_type, constexprs, 89, config.num_warps, config.num_stages)
                 results.append(dict(kernel=kernel.__name__, config=str(config), element_type=element_type,
                                     head_dim=max(admitted), shared=compiled.metadata.shared))
-            hopper = dict(config.kwargs, IS_CAUSAL=True, HEAD_DIM=128, USE_TMA=True)
-            compile_for(kernel, "bf16", hopper, 90, config.num_warps, config.num_stages)
     return results
 
 
