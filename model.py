@@ -4,6 +4,13 @@ Pre-LayerNorm transformer blocks, a GELU MLP, learned position embeddings and an
 layer tied to the token embedding, initialised as GPT-2 was. The only departure from a
 textbook GPT is that CausalSelfAttention hands q, k and v to `attention.attention`, so the
 same model trains with the eager reference, PyTorch's sdpa, or this repo's own kernels.
+
+Generation can keep a KVCache: every layer's keys and values of the tokens fed so far, so
+each step feeds only the newest token. Causal convention: the attention package masks
+top-left (key j visible to query i when j <= i), which is right when queries and keys are
+the same tokens (training, and a prompt's prefill into an empty cache: is_causal=True).
+A lone new token against the cache is the last of the sequence, so every cached key is in
+its past: it calls attention with is_causal=False (top-left causal would show it key 0 only).
 """
 import inspect
 import math
@@ -33,6 +40,31 @@ class GPTConfig:
         return math.ceil(self.vocab_size / 64) * 64
 
 
+class KVCache:
+    """One layer's keys and values for the tokens fed so far: (B, H, block_size, D) buffers
+    of which positions [0, length) are filled. They are allocated at the first append, in the
+    dtype of the keys (autocast's, under autocast), and never grow: a model with learned
+    positions cannot see past block_size anyway (see GPT.generate for what happens there)."""
+
+    def __init__(self, block_size):
+        self.block_size = block_size
+        self.k = self.v = None
+        self.length = 0
+
+    def append(self, k, v):
+        """Store k, v (B, H, T, D) at positions [length, length + T); return views of all the
+        keys and values stored so far."""
+        if self.k is None:
+            B, H, _, D = k.shape
+            self.k = k.new_empty(B, H, self.block_size, D)
+            self.v = v.new_empty(B, H, self.block_size, D)
+        end = self.length + k.size(2)
+        self.k[:, :, self.length:end] = k
+        self.v[:, :, self.length:end] = v
+        self.length = end
+        return self.k[:, :, :end], self.v[:, :, :end]
+
+
 class CausalSelfAttention(nn.Module):
     def __init__(self, config):
         super().__init__()
@@ -44,14 +76,25 @@ class CausalSelfAttention(nn.Module):
         # attention probabilities, so there is nothing to drop inside attention itself.
         self.resid_dropout = nn.Dropout(config.dropout)
 
-    def forward(self, x):
+    def forward(self, x, cache=None):
         B, T, C = x.shape
         head_dim = C // self.n_head
         # q, k, v are strided (B, H, T, D) views into the fused projection, not copies: the
         # backends are expected to cope with that layout (last dim contiguous).
         q, k, v = self.c_attn(x).view(B, T, 3, self.n_head, head_dim).unbind(dim=2)
         q, k, v = q.transpose(1, 2), k.transpose(1, 2), v.transpose(1, 2)
-        y = attention(q, k, v, is_causal=True, backend=self.attn_backend)
+        if cache is None or cache.length == 0:
+            # Queries and keys are the same T tokens (training, or a prefill): top-left causal.
+            # A prefill attends over its own k, v rather than the cache's copies, so its logits
+            # are exactly those of the same tokens fed without a cache.
+            if cache is not None:
+                cache.append(k, v)
+            y = attention(q, k, v, is_causal=True, backend=self.attn_backend)
+        else:
+            # One new token (GPT.forward allows no more) against every cached key: all are in
+            # its past, so nothing is masked.
+            k, v = cache.append(k, v)
+            y = attention(q, k, v, is_causal=False, backend=self.attn_backend)
         y = y.transpose(1, 2).contiguous().view(B, T, C)
         return self.resid_dropout(self.c_proj(y))
 
@@ -76,8 +119,8 @@ class Block(nn.Module):
         self.ln_2 = nn.LayerNorm(config.n_embd, bias=config.bias)
         self.mlp = MLP(config)
 
-    def forward(self, x):
-        x = x + self.attn(self.ln_1(x))
+    def forward(self, x, cache=None):
+        x = x + self.attn(self.ln_1(x), cache)
         return x + self.mlp(self.ln_2(x))
 
 
@@ -120,16 +163,30 @@ class GPT(nn.Module):
         n = sum(p.numel() for p in self.parameters())
         return n - self.transformer.wpe.weight.numel() if non_embedding else n
 
-    def forward(self, idx, targets=None):
+    def new_cache(self):
+        """An empty KV cache for forward(idx, cache=...): one KVCache per layer."""
+        return [KVCache(self.config.block_size) for _ in self.transformer.h]
+
+    def forward(self, idx, targets=None, cache=None):
         """Logits for every position and the mean cross-entropy when targets are given;
-        without targets, only the last position's logits (all that generation needs)."""
+        without targets, only the last position's logits (all that generation needs).
+
+        cache (from new_cache()): idx continues the tokens already in it, at the positions
+        after them, and its keys and values are appended. An empty cache takes any number of
+        tokens (a prefill); a filled one takes one token at a time."""
         B, T = idx.shape
-        if T > self.config.block_size:
-            raise ValueError(f"sequence length {T} exceeds block_size={self.config.block_size}")
-        pos = torch.arange(T, device=idx.device)
+        start = 0 if cache is None else cache[0].length
+        if start > 0 and T != 1:
+            raise ValueError(f"idx has {T} tokens but the cache already holds {start}: after the prefill, feed "
+                             "one token at a time (attention's top-left causal mask cannot place several new "
+                             "queries after cached keys)")
+        if start + T > self.config.block_size:
+            raise ValueError(f"sequence length {start + T} ({start} cached + {T} new) exceeds "
+                             f"block_size={self.config.block_size}")
+        pos = torch.arange(start, start + T, device=idx.device)
         x = self.transformer.drop(self.transformer.wte(idx) + self.transformer.wpe(pos))
-        for block in self.transformer.h:
-            x = block(x)
+        for i, block in enumerate(self.transformer.h):
+            x = block(x, None if cache is None else cache[i])
         x = self.transformer.ln_f(x)
         if targets is None:
             return self.lm_head(x[:, [-1], :]), None
@@ -158,12 +215,27 @@ class GPT(nn.Module):
         return 6 * self.num_params() + 12 * cfg.n_layer * cfg.n_embd * cfg.block_size
 
     @torch.no_grad()
-    def generate(self, idx, max_new_tokens, temperature=1.0, top_k=None):
-        """Append max_new_tokens sampled tokens to idx (B, T), feeding the model at most the
-        last block_size tokens each step. Padding ids past the real vocabulary are never drawn."""
+    def generate(self, idx, max_new_tokens, temperature=1.0, top_k=None, kv_cache=True):
+        """Append max_new_tokens sampled tokens to idx (B, T), the model seeing at most the last
+        block_size tokens each step. Padding ids past the real vocabulary are never drawn.
+
+        kv_cache=False feeds the whole context every step. kv_cache=True prefills a cache
+        with the context once, then feeds only the newest token. Once the cache holds
+        block_size tokens it is rebuilt from the last block_size tokens at every step: the
+        context window slides by one, every token's position changes, and with learned
+        positions so do all the cached keys and values. Past block_size the cache saves
+        nothing, but both loops show the model the same tokens at the same positions, so
+        greedy decoding (top_k=1) gives the same tokens with and without the cache."""
+        block_size = self.config.block_size
+        cache = None
         for _ in range(max_new_tokens):
-            context = idx if idx.size(1) <= self.config.block_size else idx[:, -self.config.block_size:]
-            logits, _ = self(context)
+            if not kv_cache:
+                logits, _ = self(idx[:, -block_size:])
+            elif cache is None or cache[0].length == block_size:
+                cache = self.new_cache()
+                logits, _ = self(idx[:, -block_size:], cache=cache)
+            else:
+                logits, _ = self(idx[:, -1:], cache=cache)
             logits = logits[:, -1, :] / temperature
             logits[:, self.config.vocab_size:] = float("-inf")
             if top_k is not None:
