@@ -1,14 +1,19 @@
-"""Generate text from a trained checkpoint.
+"""Generate text from a trained checkpoint, or time decoding.
 
     python sample.py --out_dir=out-shakespeare --start="ROMEO:"
     python sample.py --out_dir=out-tiny --start=FILE:prompt.txt --num_samples=3 --attn=sdpa
+    python sample.py --benchmark=True --init_from=random --max_new_tokens=255 --num_samples=1
 
 --start is the prompt, or FILE:path to read it from a file. --attn picks the attention
-backend (by default the one the checkpoint was trained with). Settings are the
-SampleConfig fields below (see configurator.py; `python sample.py --help` lists them).
+backend (by default the one the checkpoint was trained with). --kv_cache=True (the default)
+keeps every layer's keys and values and feeds one new token per step; --kv_cache=False
+feeds the whole context every step (see GPT.generate). --benchmark=True prints decode
+tokens/s with and without the cache instead of text. Settings are the SampleConfig fields
+below (see configurator.py; `python sample.py --help` lists them).
 """
 import sys
-from dataclasses import dataclass
+import time
+from dataclasses import dataclass, replace
 
 import tiktoken
 import torch
@@ -16,22 +21,30 @@ import torch
 from attention import BACKENDS
 from checkpoint import CheckpointError, load_checkpoint
 from configurator import ConfigError, choice, parse_config
-from devices import DeviceError, autocast, pick_device, pick_dtype
+from devices import DeviceError, autocast, pick_device, pick_dtype, synchronize
 from model import GPT, GPTConfig
 
 
 @dataclass
 class SampleConfig:
     out_dir: str = "out-shakespeare"  # the folder holding ckpt.pt
+    init_from: str = choice("checkpoint", ("checkpoint", "random"))  # random: untrained, configs/shakespeare.py's shape
     start: str = "\n"  # the prompt, or FILE:path
-    num_samples: int = 2
+    num_samples: int = 2  # with --benchmark=True: the batch, sequences decoded side by side
     max_new_tokens: int = 300
     temperature: float = 0.8  # < 1 sharpens the distribution, > 1 flattens it
     top_k: int = 200  # sample from the k likeliest tokens only; 0 for all
     seed: int = 1337
     attn: str = choice("checkpoint", ("checkpoint",) + BACKENDS)  # "checkpoint": the one it trained with
+    kv_cache: bool = True  # keep each layer's keys and values, feed one new token per step
+    benchmark: bool = False  # print decode tokens/s with and without the KV cache (every backend unless --attn)
     device: str = choice("auto", ("auto", "cpu", "cuda"))
     dtype: str = choice("auto", ("auto", "float32", "bfloat16", "float16"))
+
+
+# A random-init model has the shape of the GPU run (configs/shakespeare.py), for timing
+# decoding without training first.
+RANDOM_MODEL = GPTConfig(block_size=256, n_layer=6, n_head=6, n_embd=384, bias=False)
 
 
 def check_config(config):
@@ -61,35 +74,73 @@ def read_prompt(start):
     return prompt
 
 
+def build_model(model_args, state, attn, device, out_dir):
+    model = GPT(replace(model_args, attn=attn, dropout=0.0))
+    try:
+        model.load_state_dict(state)
+    except RuntimeError as e:
+        sys.exit(f"error: the weights in {out_dir}/ckpt.pt do not fit the model it describes: {e}")
+    return model.eval().to(device)
+
+
+def benchmark(config, model_args, state, prompt_ids, device, dtype):
+    """Decode tokens/s of each backend with and without the KV cache. Each timed run follows
+    an untimed one of the same length, in which Triton compiles and autotunes its kernels."""
+    backends = BACKENDS if config.attn == "checkpoint" else (config.attn,)
+    batch, prompt_len = config.num_samples, prompt_ids.size(1)
+    prompt_ids = prompt_ids.expand(batch, -1)
+    print(f"decode: batch {batch}, {prompt_len}-token prompt, {config.max_new_tokens} new tokens, "
+          f"block_size {model_args.block_size}, {device}, {dtype}")
+    print(f"{'attn':<12}{'no cache tok/s':>16}{'kv cache tok/s':>16}{'speedup':>9}")
+    for attn in backends:
+        model = build_model(model_args, state, attn, device, config.out_dir)
+        tokens_per_s = []
+        for kv_cache in (False, True):
+            for _ in range(2):  # the first run warms up, the second is timed
+                torch.manual_seed(config.seed)
+                synchronize(device)
+                t0 = time.perf_counter()
+                with autocast(device, dtype):
+                    model.generate(prompt_ids, config.max_new_tokens, config.temperature, config.top_k or None,
+                                   kv_cache=kv_cache)
+                synchronize(device)
+                seconds = time.perf_counter() - t0
+            tokens_per_s.append(batch * config.max_new_tokens / seconds)
+        print(f"{attn:<12}{tokens_per_s[0]:>16,.1f}{tokens_per_s[1]:>16,.1f}{tokens_per_s[1] / tokens_per_s[0]:>8.2f}x",
+              flush=True)
+
+
 def main(argv=None):
     config = parse_config(SampleConfig, argv, check=check_config)
     try:
         prompt = read_prompt(config.start)
         device = pick_device(config.device)
-        amp = autocast(device, pick_dtype(config.dtype, device))
-        ckpt = load_checkpoint(config.out_dir)
+        dtype = pick_dtype(config.dtype, device)
+        ckpt = load_checkpoint(config.out_dir) if config.init_from == "checkpoint" else None
     except (ConfigError, DeviceError, CheckpointError) as e:
         sys.exit(f"error: {e}")
 
-    model_args = GPTConfig(**ckpt["model_args"])
-    if config.attn != "checkpoint":
-        model_args.attn = config.attn
-    model_args.dropout = 0.0
-    model = GPT(model_args)
-    try:
-        model.load_state_dict(ckpt["model"])
-    except RuntimeError as e:
-        sys.exit(f"error: the weights in {config.out_dir}/ckpt.pt do not fit the model it describes: {e}")
-    model.eval().to(device)
-    print(f"sampling from {config.out_dir} (iter {ckpt['iter']}) with attn={model_args.attn} on {device}",
-          file=sys.stderr)
-
+    if ckpt is None:
+        torch.manual_seed(config.seed)
+        model_args, state, source = RANDOM_MODEL, GPT(RANDOM_MODEL).state_dict(), "a random-init model"
+    else:
+        model_args, state = GPTConfig(**ckpt["model_args"]), ckpt["model"]
+        source = f"{config.out_dir} (iter {ckpt['iter']})"
     encoder = tiktoken.get_encoding("gpt2")
     prompt_ids = torch.tensor([encoder.encode(prompt, allowed_special={"<|endoftext|>"})], device=device)
+    if config.benchmark:
+        print(f"timing decoding with {source}", file=sys.stderr)
+        benchmark(config, model_args, state, prompt_ids, device, dtype)
+        return
+
+    attn = model_args.attn if config.attn == "checkpoint" else config.attn
+    model = build_model(model_args, state, attn, device, config.out_dir)
+    print(f"sampling from {source} with attn={attn}, kv_cache={config.kv_cache} on {device}", file=sys.stderr)
     torch.manual_seed(config.seed)
     for _ in range(config.num_samples):
-        with amp:
-            ids = model.generate(prompt_ids, config.max_new_tokens, config.temperature, config.top_k or None)
+        with autocast(device, dtype):
+            ids = model.generate(prompt_ids, config.max_new_tokens, config.temperature, config.top_k or None,
+                                 kv_cache=config.kv_cache)
         print(encoder.decode(ids[0].tolist()))
         print("---------------")
 
