@@ -3,6 +3,7 @@
     python bench.py                  # paper grid + long-context grid -> bench-out/
     python bench.py --quick          # a few shapes of each grid
     python bench.py --configs        # time every candidate tile config of each Triton kernel
+    python bench.py --ladder         # the forward, one optimisation at a time (docs/optimisation.md)
 
 Times forward, backward and forward+backward with triton.testing.do_bench (median of
 repeated runs after warm-up, on fresh random inputs per shape). q, k, v are strided views of
@@ -230,6 +231,33 @@ def sweep_configs(out):
                 f"{tuple(r['tiles'].values())}w{r['num_warps']}s{r['num_stages']} {r['ms']:.3f}" for r in sel[:6]))
 
 
+def optimisation_ladder(out):
+    """The forward at docs/optimisation.md's fixed shape (B=4, H=16, N=4096, D=64, causal, bf16),
+    one knob at a time from the seed's 16x16 tiles to the autotuned kernel."""
+    shape = dict(B=4, H=16, N=4096, D=64, causal=True, dtype="bfloat16")
+    _, q, k, v = make_inputs(shape, requires_grad=False)
+    steps = [("seed's tiles: 16x16, no pipelining, cp.async path", (16, 16, 4, 1, False)),
+             ("64x64 tiles", (64, 64, 4, 1, False)),
+             ("+ software pipelining (3 stages)", (64, 64, 4, 3, False)),
+             ("128x64 tiles, 8 warps", (128, 64, 8, 3, False)),
+             ("TMA descriptors instead of cp.async", (128, 64, 8, 3, True)),
+             ("64x128 tiles, TMA, 2 stages", (64, 128, 4, 2, True))]
+    rows = []
+    for label, (bm, bn, w, s, tma) in steps:
+        config = triton.Config(dict(BLOCK_M=bm, BLOCK_N=bn, USE_TMA=tma), num_warps=w, num_stages=s)
+        ms = triton.testing.do_bench(lambda: flash_forward(q, k, v, True, config=config), rep=100, return_mode="median")
+        rows.append(dict(step=label, config=str(config), ms=ms, tflops=flops(shape, "fwd") / ms / 1e9))
+    ms = triton.testing.do_bench(lambda: flash_forward(q, k, v, True), rep=100, return_mode="median")
+    rows.append(dict(step="autotuned (the shipped kernel)", config="", ms=ms, tflops=flops(shape, "fwd") / ms / 1e9))
+    for name in SDPA_BACKENDS:
+        ms = triton.testing.do_bench(lambda: run_provider(name, q, k, v, True), rep=100, return_mode="median")
+        rows.append(dict(step=name, config="", ms=ms, tflops=flops(shape, "fwd") / ms / 1e9))
+    with open(os.path.join(out, "ladder.json"), "w") as f:
+        json.dump(dict(env=environment(), shape=shape, steps=rows), f, indent=1)
+    for r in rows:
+        print(f"{r['step']:<55} {r['ms']:8.3f} ms {r['tflops']:7.1f} TFLOP/s")
+
+
 def _run_config(job, warm_only):
     """Run once (warm_only=1: compiles it) or time one kernel config on the paper-grid shape
     N=4096, bf16. None if it does not fit the card."""
@@ -265,6 +293,7 @@ def main():
     parser.add_argument("--providers", default=",".join(PROVIDERS), help="comma-separated subset of " + ",".join(PROVIDERS))
     parser.add_argument("--rep_ms", type=int, default=100, help="do_bench's timing window per measurement")
     parser.add_argument("--configs", action="store_true", help="sweep the Triton kernels' tile configs instead")
+    parser.add_argument("--ladder", action="store_true", help="docs/optimisation.md's forward ladder instead")
     args = parser.parse_args()
     if not torch.cuda.is_available():
         raise SystemExit("bench.py needs a CUDA GPU")
@@ -275,6 +304,8 @@ def main():
     os.makedirs(args.out, exist_ok=True)
     if args.configs:
         return sweep_configs(args.out)
+    if args.ladder:
+        return optimisation_ladder(args.out)
 
     env = environment()
     print(" ".join(f"{k}={v}" for k, v in env.items()))
@@ -284,14 +315,16 @@ def main():
         if args.grid in (grid, "all"):
             for shape in shapes:
                 rows += bench_shape(grid, shape, providers, args.rep_ms)
-    with open(os.path.join(args.out, "attention.json"), "w") as f:
-        json.dump(dict(env=env, sdpa_backends={k: str(v) for k, v in SDPA_BACKENDS.items()}, results=rows), f, indent=1)
-    with open(os.path.join(args.out, "attention.md"), "w") as f:
-        f.write(markdown(rows, env))
-    for grid, name in (("paper", "attention.png"), ("long", "attention_long.png")):
-        if any(r["grid"] == grid for r in rows):
-            plot(rows, grid, os.path.join(args.out, name))
+                save(rows, env, args.out)  # after every shape, so a run cut short keeps what it measured
+            plot(rows, grid, os.path.join(args.out, "attention.png" if grid == "paper" else "attention_long.png"))
     print(f"wrote {args.out}/attention.json, attention.md and plots")
+
+
+def save(rows, env, out):
+    with open(os.path.join(out, "attention.json"), "w") as f:
+        json.dump(dict(env=env, sdpa_backends={k: str(v) for k, v in SDPA_BACKENDS.items()}, results=rows), f, indent=1)
+    with open(os.path.join(out, "attention.md"), "w") as f:
+        f.write(markdown(rows, env))
 
 
 if __name__ == "__main__":
