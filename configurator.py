@@ -57,12 +57,16 @@ def parse_config(config_class, argv=None, check=None):
     return config
 
 
+def config_files(argv):
+    """The config files among the arguments: everything that is not a --key=value."""
+    return [arg for arg in argv if not arg.startswith("--")]
+
+
 def build_config(config_class, argv):
     fields = {f.name: f for f in dataclasses.fields(config_class)}
     values = {}
-    files = [arg for arg in argv if not arg.startswith("--")]
     overrides = [arg for arg in argv if arg.startswith("--")]
-    for path in files:
+    for path in config_files(argv):
         for key, value in read_config_file(path).items():
             where = f"{key} (set in {path})"
             field = lookup_field(fields, key, where)

@@ -21,6 +21,11 @@ PEAK_BF16_FLOPS = (
 )
 
 
+# train.py's exit status when the device runs out of memory; compare.py reads it to mark the
+# run as out of memory rather than failed.
+EXIT_OUT_OF_MEMORY = 3
+
+
 class DeviceError(RuntimeError):
     pass
 
@@ -76,3 +81,16 @@ def peak_memory_mb(device):
     if device.type != "cuda":
         return None
     return torch.cuda.max_memory_allocated(device) / 2**20
+
+
+def cap_memory(device, max_gb):
+    """Let torch's CUDA allocator hold at most max_gb GiB on `device`, so a big card runs out
+    of memory where a smaller one would (an H200 acting as a 12 GB card). The CUDA context and
+    anything allocated outside torch are not counted. Returns the card's own GiB."""
+    if device.type != "cuda":
+        raise DeviceError(f"max_memory_gb={max_gb:g} caps CUDA memory, but the device is {device.type}; "
+                          "leave max_memory_gb at 0 there")
+    total_gb = torch.cuda.get_device_properties(device).total_memory / 2**30
+    # A cap above the card's size would be an error to torch; the card itself is the cap then.
+    torch.cuda.set_per_process_memory_fraction(min(max_gb / total_gb, 1.0), device)
+    return total_gb

@@ -3,111 +3,60 @@
     python train.py --attn=sdpa                              # the defaults: the GPU run
     python train.py configs/tiny.py --max_iters=100          # a small model on the CPU
     python train.py configs/tiny.py --init_from=resume       # continue from out_dir/ckpt.pt
+    torchrun --standalone --nproc_per_node=2 train.py --attn=triton   # data-parallel, 2 GPUs
 
-Settings are the TrainConfig fields below: set them in config files and with --key=value
-(see configurator.py; `python train.py --help` lists them). Each run appends its log lines
-and evaluations to out_dir/metrics.jsonl and saves out_dir/ckpt.pt at evaluations.
+Settings are the TrainConfig fields of train_config.py: set them in config files and with
+--key=value (see configurator.py; `python train.py --help` lists them). Each run writes
+out_dir/config.json, appends its log lines and evaluations to out_dir/metrics.jsonl (see
+metrics.py), saves out_dir/ckpt.pt at evaluations and, with --wandb_log=True, logs the
+same to wandb. Under torchrun (see ddp.py) every process trains on batches of its own and
+rank 0 alone logs, evaluates and saves.
 
 Exit status:
     0          the run reached max_iters
     1          an error stopped it: bad data, an unusable checkpoint, a non-finite loss
     2          bad configuration (unknown key, wrong type, value not allowed)
+    3          out of memory (devices.EXIT_OUT_OF_MEMORY)
     130, 143   stopped by SIGINT (Ctrl-C) or SIGTERM after saving a checkpoint (128 + signal
                number, the shell's convention for "ended by a signal")
 """
-import json
+import contextlib
 import math
 import os
 import random
 import signal
 import sys
 import time
-from dataclasses import asdict, dataclass
+from dataclasses import asdict, replace
+from pathlib import Path
 
 import numpy as np
 import torch
+from torch.nn.parallel import DistributedDataParallel
 
-from attention import BACKENDS
 from checkpoint import CheckpointError, checkpoint_path, load_checkpoint, save_checkpoint
-from configurator import ConfigError, choice, parse_config
+from configurator import config_files, parse_config
 from data.batches import Batches, DataError, is_prepared
 from data.shakespeare.prepare import PrepareError, prepare
-from devices import DeviceError, autocast, peak_flops, peak_memory_mb, pick_device, pick_dtype, synchronize
+from ddp import World
+from devices import (EXIT_OUT_OF_MEMORY, DeviceError, autocast, cap_memory, peak_flops, peak_memory_mb, pick_device,
+                     pick_dtype, synchronize)
+from metrics import append_metrics, reset_metrics, write_run_config
 from model import GPT, GPTConfig
-
-
-@dataclass
-class TrainConfig:
-    # output, evaluation, checkpoints
-    out_dir: str = "out-shakespeare"
-    init_from: str = choice("scratch", ("scratch", "resume"))
-    eval_interval: int = 250  # evaluate (and checkpoint) every this many iterations
-    eval_iters: int = 200  # batches per split in each evaluation
-    log_interval: int = 10
-    always_save_checkpoint: bool = False  # True: save at every evaluation, not only when val loss improves
-    # data
-    data_dir: str = "data/shakespeare"  # prepared here on first use
-    batch_size: int = 32
-    gradient_accumulation_steps: int = 2
-    block_size: int = 256
-    # model
-    n_layer: int = 6
-    n_head: int = 6
-    n_embd: int = 384
-    dropout: float = 0.2
-    bias: bool = False
-    attn: str = choice("eager", BACKENDS)
-    # optimizer and schedule: linear warmup, then cosine decay to min_lr at lr_decay_iters
-    learning_rate: float = 1e-3
-    max_iters: int = 2000
-    weight_decay: float = 0.1
-    beta1: float = 0.9
-    beta2: float = 0.99
-    grad_clip: float = 1.0  # clip the gradient norm to this; 0 turns clipping off
-    warmup_iters: int = 100
-    lr_decay_iters: int = 2000
-    min_lr: float = 1e-4
-    # system
-    device: str = choice("auto", ("auto", "cpu", "cuda"))
-    dtype: str = choice("auto", ("auto", "float32", "bfloat16", "float16"))
-    compile: bool = False  # torch.compile the model
-    seed: int = 1337
+from train_config import TrainConfig, check_config
 
 
 EXIT_ERROR = 1
 SHAPE_KEYS = ("n_layer", "n_head", "n_embd", "block_size", "bias", "vocab_size")
+# The first steps of every process pay for torch.compile, Triton autotuning and the CUDA
+# allocator filling its caches. They are logged apart (warmup: true) and left out of the
+# steady-state step time.
+TIMING_WARMUP_STEPS = 3
+DEFAULT_CONFIG_NAME = "shakespeare"  # train.py's defaults are configs/shakespeare.py
 
 
 class TrainingError(RuntimeError):
     pass
-
-
-def check_config(config):
-    rules = [
-        ("max_iters", config.max_iters >= 0, "an int >= 0"),
-        ("eval_interval", config.eval_interval >= 1, "an int >= 1"),
-        ("eval_iters", config.eval_iters >= 1, "an int >= 1"),
-        ("log_interval", config.log_interval >= 1, "an int >= 1"),
-        ("batch_size", config.batch_size >= 1, "an int >= 1"),
-        ("gradient_accumulation_steps", config.gradient_accumulation_steps >= 1, "an int >= 1"),
-        ("block_size", config.block_size >= 1, "an int >= 1"),
-        ("n_layer", config.n_layer >= 1, "an int >= 1"),
-        ("n_head", config.n_head >= 1, "an int >= 1"),
-        ("n_embd", config.n_embd >= 1 and config.n_embd % max(config.n_head, 1) == 0,
-         f"a positive multiple of n_head={config.n_head}"),
-        ("dropout", 0.0 <= config.dropout < 1.0, "in [0, 1)"),
-        ("learning_rate", 0.0 < config.learning_rate < math.inf, "a finite float > 0"),
-        ("min_lr", 0.0 <= config.min_lr < math.inf, "a finite float >= 0"),
-        ("warmup_iters", config.warmup_iters >= 0, "an int >= 0"),
-        ("lr_decay_iters", config.lr_decay_iters >= 1, "an int >= 1"),
-        ("weight_decay", 0.0 <= config.weight_decay < math.inf, "a finite float >= 0"),
-        ("beta1", 0.0 <= config.beta1 < 1.0, "in [0, 1)"),
-        ("beta2", 0.0 <= config.beta2 < 1.0, "in [0, 1)"),
-        ("grad_clip", 0.0 <= config.grad_clip < math.inf, "a finite float >= 0 (0: no clipping)"),
-    ]
-    for key, ok, expected in rules:
-        if not ok:
-            raise ConfigError(f"{key}={getattr(config, key)!r}: expected {expected}")
 
 
 def learning_rate_at(it, config):
@@ -120,30 +69,35 @@ def learning_rate_at(it, config):
     return config.min_lr + 0.5 * (1.0 + math.cos(math.pi * progress)) * (config.learning_rate - config.min_lr)
 
 
-def load_data(config, device):
-    if not is_prepared(config.data_dir):
+def load_data(config, device, world):
+    """The token batches. Rank 0 prepares missing data while the other processes wait, so
+    none of them reads a file being written."""
+    if world.is_main and not is_prepared(config.data_dir):
         print(f"no prepared data in {config.data_dir}: running data/shakespeare/prepare.py")
         meta = prepare(config.data_dir)
         print(f"prepared {meta['train_tokens']:,} train and {meta['val_tokens']:,} val tokens")
+    world.barrier()
     return Batches(config.data_dir, config.block_size, config.batch_size, device)
 
 
-def rng_states(sampler):
+def rng_states(sampler, device):
     """Every random stream a training step reads, so a resumed run draws the same numbers."""
     np_name, np_key, np_pos, np_has_gauss, np_gauss = np.random.get_state()
     return {
         "torch": torch.get_rng_state(),  # dropout on the CPU
-        "cuda": torch.cuda.get_rng_state_all() if torch.cuda.is_available() else [],  # dropout on GPUs
+        # Dropout on this process's GPU; only its own, as asking for every GPU's state would
+        # start a CUDA context on each of them from every process.
+        "cuda": torch.cuda.get_rng_state(device) if device.type == "cuda" else None,
         "numpy": (np_name, torch.from_numpy(np_key.astype(np.int64)), np_pos, np_has_gauss, np_gauss),
         "python": random.getstate(),
         "sampler": sampler.get_state(),  # which training windows come next
     }
 
 
-def restore_rng_states(states, sampler):
+def restore_rng_states(states, sampler, device):
     torch.set_rng_state(states["torch"])
-    if states["cuda"] and torch.cuda.is_available():
-        torch.cuda.set_rng_state_all(states["cuda"])
+    if states["cuda"] is not None and device.type == "cuda":
+        torch.cuda.set_rng_state(states["cuda"], device)
     np_name, np_key, np_pos, np_has_gauss, np_gauss = states["numpy"]
     np.random.set_state((np_name, np_key.numpy().astype(np.uint32), np_pos, np_has_gauss, np_gauss))
     random.setstate(states["python"])
@@ -158,49 +112,28 @@ def check_same_shape(saved_args, model_args, path):
                               "Resume with the config it was trained with, or train from scratch in another out_dir")
 
 
-def reset_metrics(path, keep_through_iter):
-    """Start out_dir/metrics.jsonl for this run. A fresh run starts it empty. A resumed run
-    keeps the records up to the checkpoint's iteration and drops the rest (the interrupted
-    run may have logged past its last checkpoint, or been killed mid-line), so the file
-    reads as one run."""
-    kept = []
-    if keep_through_iter is not None and os.path.exists(path):
-        with open(path) as f:
-            for line in f:
-                try:
-                    record = json.loads(line)
-                except ValueError:
-                    continue
-                if isinstance(record, dict) and record.get("iter", math.inf) <= keep_through_iter:
-                    kept.append(json.dumps(record) + "\n")
-    tmp_path = path + ".tmp"
-    with open(tmp_path, "w") as f:
-        f.writelines(kept)
-    os.replace(tmp_path, path)
-
-
-def append_metrics(path, record):
-    with open(path, "a") as f:
-        f.write(json.dumps(record) + "\n")
-
-
 class StopSignals:
     """SIGINT (Ctrl-C) and SIGTERM (`kill`, job schedulers) ask the loop to stop at the next
     iteration boundary, the one point where model, optimizer and random streams agree, so
     the checkpoint saved there resumes exactly. A second signal of the same kind stops the
-    process at once (the last checkpoint on disk is intact either way)."""
+    process at once (the last checkpoint on disk is intact either way).
 
-    def __init__(self):
+    Under torchrun, signal torchrun: it passes the signal on to every process (and kills any
+    still running 30 s later), and the processes agree on the iteration to stop at."""
+
+    def __init__(self, announce):
         self.received = None
+        self.announce = announce  # rank 0 alone says what happens next, as it alone saves
         for signum in (signal.SIGINT, signal.SIGTERM):
             signal.signal(signum, self._handle)
 
     def _handle(self, signum, frame):
         self.received = signum
         signal.signal(signum, signal.SIG_DFL)
-        # os.write, not print: print is not safe to re-enter from a signal handler.
-        os.write(2, f"\n{signal.Signals(signum).name}: saving a checkpoint after this iteration "
-                    "(send it again to stop at once)\n".encode())
+        if self.announce:
+            # os.write, not print: print is not safe to re-enter from a signal handler.
+            os.write(2, f"\n{signal.Signals(signum).name}: saving a checkpoint after this iteration "
+                        "(send it again to stop at once)\n".encode())
 
 
 @torch.no_grad()
@@ -223,22 +156,32 @@ def estimate_loss(model, batches, config, amp):
     return losses
 
 
-def train_step(model, optimizer, scaler, batches, sampler, config, amp, device):
-    """One optimizer step over gradient_accumulation_steps micro-batches; returns the mean loss.
+def train_step(model, optimizer, scaler, batches, sampler, config, amp, device, world):
+    """One optimizer step; returns the mean loss over the micro-batches of every process.
+
+    Each process runs gradient_accumulation_steps / world.size micro-batches. DDP averages
+    the gradients across processes during the backward pass; only the last micro-batch's
+    backward does so, the ones before run under no_sync and add to the local gradients, so
+    a step costs one all-reduce rather than one per micro-batch.
 
     The loss is read on the host once per step (a device sync), so a NaN or inf is caught
     at the iteration it appears, before the optimizer applies it; a non-finite loss is
-    returned without stepping. Batches are drawn inside the step, not prefetched across
-    steps, so the sampler's state at a step boundary is exactly what a checkpoint stores.
+    returned without stepping. It is averaged over the processes first, so all of them see
+    the same number and skip or stop together. Batches are drawn inside the step, not
+    prefetched across steps, so the sampler's state at a step boundary is exactly what a
+    checkpoint stores.
     """
+    micro_steps = config.gradient_accumulation_steps // world.size
     loss_sum = torch.zeros((), device=device)
-    for _ in range(config.gradient_accumulation_steps):
+    for micro_step in range(micro_steps):
         x, y = batches.get("train", sampler)
-        with amp:
-            _, loss = model(x, y)
-        loss_sum += loss.detach()
-        scaler.scale(loss / config.gradient_accumulation_steps).backward()
-    mean_loss = loss_sum.item() / config.gradient_accumulation_steps
+        accumulate_only = world.distributed and micro_step < micro_steps - 1
+        with model.no_sync() if accumulate_only else contextlib.nullcontext():
+            with amp:
+                _, loss = model(x, y)
+            loss_sum += loss.detach()
+            scaler.scale(loss / micro_steps).backward()
+    mean_loss = world.mean_(loss_sum).item() / micro_steps
     if math.isfinite(mean_loss):
         if config.grad_clip > 0:
             scaler.unscale_(optimizer)
@@ -249,19 +192,41 @@ def train_step(model, optimizer, scaler, batches, sampler, config, amp, device):
     return mean_loss
 
 
-def run(config):
+def start_wandb(config, run_config):
+    """A wandb run for this training run, or None when wandb cannot be imported: then a
+    one-line warning, and training goes on with the local metrics."""
+    try:
+        import wandb
+    except ImportError:
+        print(f"warning: wandb_log=True but wandb cannot be imported (pip install wandb); "
+              f"logging to {config.out_dir}/metrics.jsonl only", file=sys.stderr)
+        return None
+    # dir=out_dir puts the run folder (out_dir/wandb/) beside the run's other files; with
+    # WANDB_MODE=offline it stays there until `wandb sync` uploads it.
+    return wandb.init(project=config.wandb_project, name=config.wandb_run_name, config=run_config,
+                      dir=config.out_dir)
+
+
+def run(config, world):
     """Train; return the process exit status (0, or 128 + signal number when stopped)."""
-    device = pick_device(config.device)
+    device = world.start(pick_device(config.device))
     dtype = pick_dtype(config.dtype, device)
     amp = autocast(device, dtype)
-    torch.manual_seed(config.seed)
-    np.random.seed(config.seed)
-    random.seed(config.seed)
-    os.makedirs(config.out_dir, exist_ok=True)
+    if config.max_memory_gb:
+        card_gb = cap_memory(device, config.max_memory_gb)
+        if world.is_main:
+            print(f"CUDA memory capped at {config.max_memory_gb:g} GiB (the card has {card_gb:.1f} GiB)")
+    # Each process seeds its own streams, so dropout and batches differ between processes
+    # (DDP copies rank 0's initial weights to the others). A plain run is rank 0.
+    seed = config.seed + world.rank
+    torch.manual_seed(seed)
+    np.random.seed(seed)
+    random.seed(seed)
+    if world.is_main:
+        os.makedirs(config.out_dir, exist_ok=True)
     ckpt_path = checkpoint_path(config.out_dir)
-    metrics_path = os.path.join(config.out_dir, "metrics.jsonl")
 
-    batches = load_data(config, device)
+    batches = load_data(config, device, world)
     model_args = GPTConfig(block_size=config.block_size, vocab_size=batches.vocab_size, n_layer=config.n_layer,
                            n_head=config.n_head, n_embd=config.n_embd, dropout=config.dropout, bias=config.bias,
                            attn=config.attn)
@@ -270,7 +235,7 @@ def run(config):
                                            (config.beta1, config.beta2), device.type)
     # fp16 gradients underflow without loss scaling; bf16 and fp32 have the range to go without.
     scaler = torch.amp.GradScaler(device.type, enabled=dtype == torch.float16)
-    sampler = torch.Generator().manual_seed(config.seed)
+    sampler = torch.Generator().manual_seed(seed)
     it, best_val_loss, last_saved_iter = 0, math.inf, None
 
     if config.init_from == "resume":
@@ -282,24 +247,47 @@ def run(config):
             model.load_state_dict(ckpt["model"])
             optimizer.load_state_dict(ckpt["optimizer"])
             scaler.load_state_dict(ckpt["scaler"])
-            restore_rng_states(ckpt["rng"], sampler)
-        except (KeyError, RuntimeError, ValueError) as e:
+            saved_rng = ckpt["rng"]  # one entry per process of the run that saved it
+            if world.rank < len(saved_rng):
+                restore_rng_states(saved_rng[world.rank], sampler, device)
+        except (KeyError, RuntimeError, TypeError, ValueError) as e:
             raise CheckpointError(f"{ckpt_path} does not fit this model and optimizer: {e}") from None
         it, best_val_loss, last_saved_iter = ckpt["iter"], ckpt["best_val_loss"], ckpt["iter"]
-        print(f"resuming from {ckpt_path} at iter {it} (best val loss {best_val_loss:.4f})")
+        if world.is_main:
+            print(f"resuming from {ckpt_path} at iter {it} (best val loss {best_val_loss:.4f})")
+            if len(saved_rng) != world.size:
+                print(f"the checkpoint was saved by {len(saved_rng)} processes and this run has {world.size}: "
+                      "the batches from here on differ from those of an uninterrupted run")
         del ckpt
-    reset_metrics(metrics_path, keep_through_iter=it if config.init_from == "resume" else None)
 
     raw_model = model
     if config.compile:
         model = torch.compile(model)
-    tokens_per_iter = config.batch_size * config.block_size * config.gradient_accumulation_steps
+    # Rank 0 evaluates `model` on its own; training goes through the DDP wrapper, which
+    # averages gradients across the processes.
+    train_model = model
+    if world.distributed:
+        train_model = DistributedDataParallel(model, device_ids=[device.index] if device.type == "cuda" else None)
+    tokens_per_iter = config.batch_size * config.block_size * config.gradient_accumulation_steps  # all processes
     flops_per_token = raw_model.flops_per_token()
     card_peak = peak_flops(device)
-    print(f"{raw_model.num_params() / 1e6:.2f}M parameters, attn={config.attn}, device={device}, "
-          f"dtype={str(dtype).removeprefix('torch.')}, {tokens_per_iter:,} tokens per iteration")
+    run_config = {**asdict(config), "device": str(device), "dtype": str(dtype).removeprefix("torch."),
+                  "gpu": torch.cuda.get_device_name(device) if device.type == "cuda" else None,
+                  "world_size": world.size, "n_params": raw_model.num_params(), "tokens_per_iter": tokens_per_iter}
+    if world.is_main:
+        reset_metrics(config.out_dir, keep_through_iter=it if config.init_from == "resume" else None)
+        write_run_config(config.out_dir, run_config)
+        processes = f" over {world.size} processes" if world.distributed else ""
+        print(f"{raw_model.num_params() / 1e6:.2f}M parameters, attn={config.attn}, device={device}, "
+              f"dtype={run_config['dtype']}, {tokens_per_iter:,} tokens per iteration{processes}")
+    wandb_run = start_wandb(config, run_config) if config.wandb_log and world.is_main else None
 
-    def save(it):
+    def log(record):
+        append_metrics(config.out_dir, record)
+        if wandb_run is not None:
+            wandb_run.log({key: value for key, value in record.items() if key != "iter"}, step=record["iter"])
+
+    def save(it, rng):
         nonlocal last_saved_iter
         save_checkpoint({
             "model": raw_model.state_dict(),
@@ -309,7 +297,7 @@ def run(config):
             "config": asdict(config),
             "iter": it,
             "best_val_loss": best_val_loss,
-            "rng": rng_states(sampler),
+            "rng": rng,
         }, config.out_dir)
         last_saved_iter = it
 
@@ -320,68 +308,117 @@ def run(config):
                             "A lower learning_rate or a smaller grad_clip may help")
 
     def evaluate(it):
+        """Every process hands rank 0 its random streams for the checkpoint; rank 0 evaluates
+        and saves while the others wait at the next iteration."""
         nonlocal best_val_loss
+        rng = world.gather(rng_states(sampler, device))
+        if not world.is_main:
+            return
         losses = estimate_loss(model, batches, config, amp)
         print(f"iter {it}: train loss {losses['train']:.4f}, val loss {losses['val']:.4f}")
         for split in ("train", "val"):
             if not math.isfinite(losses[split]):
                 stop_for_non_finite(f"{split} loss", losses[split], it)
-        append_metrics(metrics_path, {"iter": it, "train_loss": losses["train"], "val_loss": losses["val"]})
+        log({"iter": it, "train_loss": losses["train"], "val_loss": losses["val"]})
         improved = losses["val"] < best_val_loss
         best_val_loss = min(best_val_loss, losses["val"])
         if it > 0 and (improved or config.always_save_checkpoint):
-            save(it)
+            save(it, rng)
 
-    stop = StopSignals()
-    if config.init_from == "scratch":
-        evaluate(0)
-    step_seconds, steps_timed = 0.0, 0
-    while True:
-        if stop.received is not None:
-            if last_saved_iter != it:
-                save(it)
-            name = signal.Signals(stop.received).name
-            print(f"stopped by {name} at iter {it}; checkpoint saved in {ckpt_path}. "
-                  "To continue, run the same command with --init_from=resume")
-            return 128 + stop.received
-        if it >= config.max_iters:
-            return 0
+    status = EXIT_ERROR  # what wandb records if an exception ends the run
+    try:
+        stop = StopSignals(announce=world.is_main)
+        if config.init_from == "scratch":
+            evaluate(0)
+        warmup_end = it + TIMING_WARMUP_STEPS
+        step_seconds, steps_timed = 0.0, 0
+        while True:
+            # All processes stop at the same iteration, whichever of them got the signal.
+            signum = world.max(stop.received or 0)
+            if signum:
+                rng = world.gather(rng_states(sampler, device))
+                if world.is_main:
+                    if last_saved_iter != it:
+                        save(it, rng)
+                    print(f"stopped by {signal.Signals(signum).name} at iter {it}; checkpoint saved in {ckpt_path}. "
+                          "To continue, run the same command with --init_from=resume")
+                status = 128 + signum
+                return status
+            if it >= config.max_iters:
+                status = 0
+                return status
 
-        lr = learning_rate_at(it, config)
-        for group in optimizer.param_groups:
-            group["lr"] = lr
-        start = time.perf_counter()
-        loss = train_step(model, optimizer, scaler, batches, sampler, config, amp, device)
-        synchronize(device)
-        step_seconds += time.perf_counter() - start
-        steps_timed += 1
-        it += 1
-        if not math.isfinite(loss):
-            stop_for_non_finite("training loss", loss, it)
+            lr = learning_rate_at(it, config)
+            for group in optimizer.param_groups:
+                group["lr"] = lr
+            # The whole optimizer step, from the first batch to the weight update, between two
+            # device synchronisations, so on a GPU it is the GPU's time; logging, evaluation
+            # and checkpoints fall outside.
+            synchronize(device)
+            start = time.perf_counter()
+            loss = train_step(train_model, optimizer, scaler, batches, sampler, config, amp, device, world)
+            synchronize(device)
+            step_seconds += time.perf_counter() - start
+            steps_timed += 1
+            it += 1
+            if not math.isfinite(loss):
+                stop_for_non_finite("training loss", loss, it)
 
-        if it % config.log_interval == 0:
-            step_ms = 1000 * step_seconds / steps_timed
-            tokens_per_s = tokens_per_iter / (step_seconds / steps_timed)
-            mfu = flops_per_token * tokens_per_s / card_peak if card_peak else None
-            peak_mem = peak_memory_mb(device)
-            print(f"iter {it}: loss {loss:.4f}, lr {lr:.2e}, {step_ms:.1f} ms/iter, {tokens_per_s:,.0f} tok/s, "
-                  f"mfu {'n/a' if mfu is None else f'{100 * mfu:.1f}%'}, "
-                  f"peak mem {'n/a' if peak_mem is None else f'{peak_mem:,.0f} MB'}")
-            append_metrics(metrics_path, {"iter": it, "loss": loss, "lr": lr, "step_ms": step_ms,
-                                          "tokens_per_s": tokens_per_s, "mfu": mfu, "peak_mem_mb": peak_mem})
-            step_seconds, steps_timed = 0.0, 0
-        if it % config.eval_interval == 0 or it == config.max_iters:
-            evaluate(it)
+            # A record at the end of the warm-up too, so no record mixes warm-up and steady steps.
+            if it % config.log_interval == 0 or it == warmup_end:
+                if world.is_main:
+                    warmup = it <= warmup_end
+                    step_ms = 1000 * step_seconds / steps_timed
+                    tokens_per_s = tokens_per_iter / (step_seconds / steps_timed)
+                    mfu = flops_per_token * tokens_per_s / (card_peak * world.size) if card_peak else None
+                    peak_mem = peak_memory_mb(device)
+                    print(f"iter {it}: loss {loss:.4f}, lr {lr:.2e}, {step_ms:.1f} ms/iter, {tokens_per_s:,.0f} tok/s, "
+                          f"mfu {'n/a' if mfu is None else f'{100 * mfu:.1f}%'}, "
+                          f"peak mem {'n/a' if peak_mem is None else f'{peak_mem:,.0f} MB'}"
+                          f"{' (warm-up)' if warmup else ''}")
+                    log({"iter": it, "loss": loss, "lr": lr, "step_ms": step_ms, "tokens_per_s": tokens_per_s,
+                         "mfu": mfu, "peak_mem_mb": peak_mem, "warmup": warmup})
+                step_seconds, steps_timed = 0.0, 0
+            if it % config.eval_interval == 0 or it == config.max_iters:
+                evaluate(it)
+    finally:
+        if wandb_run is not None:
+            wandb_run.finish(exit_code=status)
+
+
+def config_name(argv):
+    """The config files' names (e.g. shakespeare_long), for the default wandb run name."""
+    return "+".join(Path(path).stem for path in config_files(argv)) or DEFAULT_CONFIG_NAME
+
+
+def out_of_memory_message(config, world):
+    where = f" on rank {world.rank}" if world.distributed else ""
+    cap = f" under max_memory_gb={config.max_memory_gb:g}" if config.max_memory_gb else ""
+    hint = "; a FlashAttention backend never holds the block_size x block_size scores" if config.attn == "eager" else ""
+    return (f"out of memory{where}{cap} with attn={config.attn}, block_size={config.block_size}, "
+            f"batch_size={config.batch_size}. A smaller batch_size or block_size needs less{hint}")
 
 
 def main(argv=None):
     sys.stdout.reconfigure(line_buffering=True)  # log lines show up at once, even through a pipe
-    config = parse_config(TrainConfig, argv, check=check_config)
+    argv = sys.argv[1:] if argv is None else list(argv)
+    world = World()
+    config = parse_config(TrainConfig, argv, check=lambda config: check_config(config, world.size))
+    if not config.wandb_run_name:
+        config = replace(config, wandb_run_name=f"{config.attn}-{config_name(argv)}")
     try:
-        status = run(config)
+        status = run(config, world)
     except (DataError, PrepareError, DeviceError, CheckpointError, TrainingError) as e:
-        print(f"error: {e}", file=sys.stderr)
+        # These meet every process alike (the same files, the same averaged loss), so rank 0
+        # speaks for all of them.
+        if world.is_main:
+            print(f"error: {e}", file=sys.stderr)
         status = EXIT_ERROR
+    except torch.OutOfMemoryError:
+        print(f"error: {out_of_memory_message(config, world)}", file=sys.stderr)  # any process, on its own
+        status = EXIT_OUT_OF_MEMORY
+    finally:
+        world.stop()
     sys.exit(status)
 
 

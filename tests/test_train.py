@@ -6,7 +6,7 @@ import torch
 
 from conftest import run_script
 
-LOG_KEYS = {"iter", "loss", "lr", "step_ms", "tokens_per_s", "mfu", "peak_mem_mb"}
+LOG_KEYS = {"iter", "loss", "lr", "step_ms", "tokens_per_s", "mfu", "peak_mem_mb", "warmup"}
 EVAL_KEYS = {"iter", "train_loss", "val_loss"}
 
 
@@ -26,13 +26,17 @@ def test_tiny_config_loss_falls_and_metrics_have_the_documented_keys(tiny_args, 
     evals = [r for r in records if "val_loss" in r]
     logs = [r for r in records if "loss" in r]
     assert all(set(r) == EVAL_KEYS for r in evals) and all(set(r) == LOG_KEYS for r in logs)
-    assert [r["iter"] for r in evals] == [0, 40] and [r["iter"] for r in logs] == [10, 20, 30, 40]
+    assert [r["iter"] for r in evals] == [0, 40] and [r["iter"] for r in logs] == [3, 10, 20, 30, 40]
+    assert [r["warmup"] for r in logs] == [True, False, False, False, False]  # iters 1-3 logged apart
     assert evals[-1]["val_loss"] < evals[0]["val_loss"] - 2.0  # from ~10.8 (uniform) to below 8.8
     assert logs[-1]["step_ms"] > 0 and logs[-1]["tokens_per_s"] > 0
     assert logs[-1]["mfu"] is None and logs[-1]["peak_mem_mb"] is None  # no GPU peak to compare with
     assert "iter 40: loss" in result.stdout and "tok/s" in result.stdout
     ckpt = torch.load(tmp_path / "out" / "ckpt.pt", weights_only=True)
     assert ckpt["iter"] == 40 and ckpt["config"]["attn"] == "eager"
+    run_config = json.loads((tmp_path / "out" / "config.json").read_text())
+    assert run_config["attn"] == "eager" and run_config["wandb_run_name"] == "eager-tiny"
+    assert run_config["device"] == "cpu" and run_config["world_size"] == 1 and run_config["tokens_per_iter"] == 512
 
 
 def test_resume_continues_with_the_same_losses(tiny_args, tmp_path):

@@ -1,0 +1,86 @@
+"""train.py's settings: typed defaults and the rules that involve a value's range or
+several keys. A module of its own so that compare.py checks the train.py arguments it passes
+on before starting any run (nothing imports train.py itself)."""
+import math
+from dataclasses import dataclass
+
+from attention import BACKENDS
+from configurator import ConfigError, choice
+
+
+@dataclass
+class TrainConfig:
+    # output, evaluation, checkpoints
+    out_dir: str = "out-shakespeare"
+    init_from: str = choice("scratch", ("scratch", "resume"))
+    eval_interval: int = 250  # evaluate (and checkpoint) every this many iterations
+    eval_iters: int = 200  # batches per split in each evaluation
+    log_interval: int = 10
+    always_save_checkpoint: bool = False  # True: save at every evaluation, not only when val loss improves
+    # wandb (off by default; WANDB_MODE=offline writes a run folder for `wandb sync` instead of uploading)
+    wandb_log: bool = False
+    wandb_project: str = "nanoFA2"
+    wandb_run_name: str = ""  # "": "<attn>-<config file name>", e.g. triton-shakespeare
+    # data
+    data_dir: str = "data/shakespeare"  # prepared here on first use
+    batch_size: int = 32  # sequences per micro-batch, per process
+    gradient_accumulation_steps: int = 2  # micro-batches per optimizer step, over all processes
+    block_size: int = 256
+    # model
+    n_layer: int = 6
+    n_head: int = 6
+    n_embd: int = 384
+    dropout: float = 0.2
+    bias: bool = False
+    attn: str = choice("eager", BACKENDS)
+    # optimizer and schedule: linear warmup, then cosine decay to min_lr at lr_decay_iters
+    learning_rate: float = 1e-3
+    max_iters: int = 2000
+    weight_decay: float = 0.1
+    beta1: float = 0.9
+    beta2: float = 0.99
+    grad_clip: float = 1.0  # clip the gradient norm to this; 0 turns clipping off
+    warmup_iters: int = 100
+    lr_decay_iters: int = 2000
+    min_lr: float = 1e-4
+    # system
+    device: str = choice("auto", ("auto", "cpu", "cuda"))
+    dtype: str = choice("auto", ("auto", "float32", "bfloat16", "float16"))
+    compile: bool = False  # torch.compile the model
+    max_memory_gb: float = 0.0  # cap torch's CUDA memory at this many GiB, e.g. 12 to act as a 12 GB card; 0: no cap
+    seed: int = 1337
+
+
+def check_config(config, world_size=1):
+    """Raise ConfigError for the first rule `config` breaks; world_size is the number of
+    training processes (torchrun's WORLD_SIZE), which must divide the accumulation steps."""
+    rules = [
+        ("max_iters", config.max_iters >= 0, "an int >= 0"),
+        ("eval_interval", config.eval_interval >= 1, "an int >= 1"),
+        ("eval_iters", config.eval_iters >= 1, "an int >= 1"),
+        ("log_interval", config.log_interval >= 1, "an int >= 1"),
+        ("wandb_project", config.wandb_project != "", "a non-empty project name"),
+        ("batch_size", config.batch_size >= 1, "an int >= 1"),
+        ("gradient_accumulation_steps", config.gradient_accumulation_steps >= 1, "an int >= 1"),
+        ("gradient_accumulation_steps", config.gradient_accumulation_steps % world_size == 0,
+         f"a multiple of the {world_size} processes torchrun started (each runs "
+         f"gradient_accumulation_steps / {world_size} micro-batches per step)"),
+        ("block_size", config.block_size >= 1, "an int >= 1"),
+        ("n_layer", config.n_layer >= 1, "an int >= 1"),
+        ("n_head", config.n_head >= 1, "an int >= 1"),
+        ("n_embd", config.n_embd >= 1 and config.n_embd % max(config.n_head, 1) == 0,
+         f"a positive multiple of n_head={config.n_head}"),
+        ("dropout", 0.0 <= config.dropout < 1.0, "in [0, 1)"),
+        ("learning_rate", 0.0 < config.learning_rate < math.inf, "a finite float > 0"),
+        ("min_lr", 0.0 <= config.min_lr < math.inf, "a finite float >= 0"),
+        ("warmup_iters", config.warmup_iters >= 0, "an int >= 0"),
+        ("lr_decay_iters", config.lr_decay_iters >= 1, "an int >= 1"),
+        ("weight_decay", 0.0 <= config.weight_decay < math.inf, "a finite float >= 0"),
+        ("beta1", 0.0 <= config.beta1 < 1.0, "in [0, 1)"),
+        ("beta2", 0.0 <= config.beta2 < 1.0, "in [0, 1)"),
+        ("grad_clip", 0.0 <= config.grad_clip < math.inf, "a finite float >= 0 (0: no clipping)"),
+        ("max_memory_gb", 0.0 <= config.max_memory_gb < math.inf, "a finite float >= 0 (0: no cap)"),
+    ]
+    for key, ok, expected in rules:
+        if not ok:
+            raise ConfigError(f"{key}={getattr(config, key)!r}: expected {expected}")
