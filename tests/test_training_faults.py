@@ -16,6 +16,7 @@ import pytest
 
 from checkpoint import load_checkpoint
 from conftest import REPO, run_script, script_command
+from devices import EXIT_OUT_OF_MEMORY
 
 
 def start_train(args, log_dir):
@@ -126,6 +127,18 @@ def test_non_finite_loss_stops_naming_the_iteration_and_keeps_the_last_good_chec
     assert "Traceback" not in diverging.stderr
     assert (out_dir / "ckpt.pt").read_bytes() == good_bytes
     assert max(step_losses(out_dir)) == stopped_at - 1  # the bad iteration was not logged as a loss
+
+
+def test_out_of_memory_names_backend_block_size_and_batch_size_and_exits_3(tiny_args, tmp_path):
+    # A shim makes eager's softmax over 64-wide score rows raise torch.OutOfMemoryError, as
+    # CUDA's allocator does when a run outgrows --max_memory_gb (tests/shims/fake_oom).
+    shim = REPO / "tests" / "shims" / "fake_oom"
+    env = dict(os.environ, PYTHONPATH=os.pathsep.join([str(shim), os.environ.get("PYTHONPATH", "")]),
+               FAKE_OOM_ROW_LENGTH="64")
+    result = run_script("train.py", *tiny_args, "--max_iters=2", env=env)
+    assert result.returncode == EXIT_OUT_OF_MEMORY == 3
+    assert result.stderr.startswith("error: out of memory with attn=eager, block_size=64, batch_size=8. ")
+    assert len(result.stderr.strip().splitlines()) == 1 and "Traceback" not in result.stderr
 
 
 def test_resume_without_a_checkpoint_is_a_clear_error(tiny_args, tmp_path):

@@ -1,0 +1,467 @@
+"""Train the same model with each attention backend and compare them: loss curves, step
+time, throughput and memory.
+
+    python compare.py configs/tiny.py --max_iters=20                 # every backend, on the CPU
+    python compare.py configs/shakespeare.py --backends=eager,triton,sdpa --max_iters=500
+    python compare.py configs/shakespeare.py --max_memory_gb=12 --max_iters=30 \
+        --sweep_block_size=256,512,1024,2048,4096                    # step time and memory vs context
+    python compare.py --from_runs=out-a,out-b                        # runs train.py made before
+
+Each backend trains in a subprocess of train.py with the same config and seed, so the
+same initial weights and batches; every train.py key (--max_iters, --max_memory_gb, ...)
+is passed on, and runs log every iteration unless --log_interval says otherwise. Writes to
+--out (default out-compare/):
+
+  runs/<backend>/          each run's out_dir, with its train.log
+  compare.png, compare.md  loss curves overlaid (train every step, val at evaluations),
+                           steady-state step time (median and spread), tokens/s, MFU, peak
+                           memory, and how far each loss curve strays from eager's
+  sweep/T<n>/<backend>/    with --sweep_block_size, the runs at each context length n ...
+  sweep.png, sweep.md      ... and their median step time, tokens/s and peak memory, with
+                           the runs that ran out of memory marked
+
+The sweep keeps the tokens per micro-batch of the config (batch_size x block_size): at each
+context length n, batch_size = that / n (at least 1). A backend that runs out of memory at
+one length is not run at longer ones. Steady state leaves out the warm-up steps train.py
+flags (compile, autotune), so a backend is not charged for its one-off costs.
+
+Exit status: 0 done; 1 a run failed other than by running out of memory; 2 bad arguments;
+130 interrupted by Ctrl-C (the run in progress saves its checkpoint, as train.py does).
+"""
+import os
+import re
+import statistics
+import subprocess
+import sys
+from dataclasses import dataclass, field, fields
+
+import numpy as np
+from matplotlib.figure import Figure
+from tqdm import tqdm
+
+from attention import BACKENDS
+from configurator import EXIT_BAD_CONFIG, ConfigError, describe, parse_config
+from devices import EXIT_OUT_OF_MEMORY
+from metrics import CONFIG_NAME, METRICS_NAME, read_metrics, read_run_config
+from train_config import TrainConfig, check_config
+
+TRAIN_SCRIPT = os.path.join(os.path.dirname(os.path.abspath(__file__)), "train.py")
+SET_PER_RUN = {"attn": "--backends", "out_dir": "--out"}  # train.py keys compare.py sets itself
+PROGRESS_LINE = re.compile(r"iter (\d+): loss (\S+),")  # train.py's log lines
+REFERENCE = "eager"  # the backend every loss curve is measured against
+COLORS = {backend: f"C{i}" for i, backend in enumerate(BACKENDS)}
+EXIT_RUN_FAILED = 1
+
+
+@dataclass
+class CompareConfig:
+    backends: str = ",".join(BACKENDS)  # comma-separated, trained in this order
+    out: str = "out-compare"
+    from_runs: str = ""  # comma-separated train.py out_dirs to compare, instead of training
+    sweep_block_size: str = ""  # comma-separated context lengths, e.g. 256,512,1024,2048,4096
+
+
+class CompareError(RuntimeError):
+    pass
+
+
+@dataclass
+class Run:
+    label: str  # the backend, unless two runs share one
+    out_dir: str
+    config: dict = field(default_factory=dict)  # config.json
+    records: list = field(default_factory=list)  # metrics.jsonl
+    out_of_memory: bool = False
+
+
+def split_list(text):
+    return [item.strip() for item in text.split(",") if item.strip()]
+
+
+def check_compare_config(config):
+    backends = split_list(config.backends)
+    unknown = [b for b in backends if b not in BACKENDS]
+    if not backends or unknown or len(set(backends)) != len(backends):
+        raise ConfigError(f"backends={config.backends!r}: expected distinct names from {', '.join(BACKENDS)}, "
+                          "comma-separated")
+    sizes = split_list(config.sweep_block_size)
+    if not all(size.isdigit() and int(size) >= 1 for size in sizes):
+        raise ConfigError(f"sweep_block_size={config.sweep_block_size!r}: expected ints >= 1, comma-separated "
+                          "(e.g. 256,512,1024)")
+    if config.from_runs and sizes:
+        raise ConfigError("from_runs and sweep_block_size: the sweep trains its own runs; give one or the other")
+    for out_dir in split_list(config.from_runs):
+        for name in (CONFIG_NAME, METRICS_NAME):
+            if not os.path.isfile(os.path.join(out_dir, name)):
+                raise ConfigError(f"from_runs: {out_dir} has no {name}; expected the out_dir of a train.py run")
+
+
+def parse_args(argv):
+    """(CompareConfig, the train.py arguments to pass on, their TrainConfig); exits 2 on bad ones."""
+    if "-h" in argv or "--help" in argv:
+        print(__doc__)
+        print(describe(CompareConfig))
+        print("and any train.py key (python train.py --help), passed on to every run")
+        sys.exit(0)
+    own_keys = {f.name for f in fields(CompareConfig)}
+    own = [arg for arg in argv if arg.startswith("--") and arg[2:].partition("=")[0] in own_keys]
+    passed_on = [arg for arg in argv if arg not in own]
+    config = parse_config(CompareConfig, own, check=check_compare_config)
+    for arg in passed_on:
+        key = arg[2:].partition("=")[0] if arg.startswith("--") else None
+        if key in SET_PER_RUN:
+            exit_bad_config(f"--{key}: compare.py sets it for each run; use {SET_PER_RUN[key]}=...")
+        if config.from_runs:
+            exit_bad_config(f"{arg}: from_runs compares finished runs, so train.py settings do not apply")
+    # Checked now, so a typo stops compare.py before the first run rather than after it.
+    train_config = parse_config(TrainConfig, passed_on, check=check_config)
+    return config, passed_on, train_config
+
+
+def exit_bad_config(message):
+    print(f"config error: {message}", file=sys.stderr)
+    sys.exit(EXIT_BAD_CONFIG)
+
+
+def train(label, out_dir, args, total_iters):
+    """Run train.py with `args` into out_dir, showing a progress bar; its output goes to
+    out_dir/train.log. Returns a Run, marked when the GPU ran out of memory."""
+    os.makedirs(out_dir, exist_ok=True)
+    log_path = os.path.join(out_dir, "train.log")
+    command = [sys.executable, TRAIN_SCRIPT, *args, f"--out_dir={out_dir}"]
+    with open(log_path, "w") as log, tqdm(total=total_iters, desc=label, unit="iter", leave=True) as bar:
+        process = subprocess.Popen(command, stdout=subprocess.PIPE, stderr=subprocess.STDOUT, text=True)
+        try:
+            for line in process.stdout:
+                log.write(line)
+                match = PROGRESS_LINE.match(line)
+                if match:
+                    bar.update(int(match[1]) - bar.n)
+                    bar.set_postfix_str(f"loss {match[2]}")
+        except KeyboardInterrupt:
+            process.wait()  # Ctrl-C reached train.py too: let it save its checkpoint
+            raise
+        status = process.wait()
+        if status == EXIT_OUT_OF_MEMORY:
+            bar.set_postfix_str("out of memory")
+    if status == EXIT_OUT_OF_MEMORY:
+        return Run(label, out_dir, out_of_memory=True)
+    if status != 0:
+        with open(log_path) as f:
+            tail = "".join(f.readlines()[-15:])
+        raise CompareError(f"{label}: train.py exited with status {status}; the end of {log_path}:\n{tail}")
+    return read_run(label, out_dir)
+
+
+def read_run(label, out_dir):
+    return Run(label, out_dir, read_run_config(out_dir), read_metrics(out_dir))
+
+
+def runs_from_dirs(out_dirs):
+    """Runs read from train.py out_dirs, labelled by backend (and folder, where backends repeat)."""
+    configs = [read_run_config(out_dir) for out_dir in out_dirs]
+    backends = [config["attn"] for config in configs]
+    return [read_run(backend if backends.count(backend) == 1 else f"{backend} ({os.path.basename(out_dir)})",
+                     out_dir) for backend, out_dir in zip(backends, out_dirs)]
+
+
+# ---- numbers ----
+
+def steady_records(run):
+    return [r for r in run.records if "loss" in r and not r["warmup"]]
+
+
+def median_of(run, key):
+    values = [r[key] for r in steady_records(run) if r[key] is not None]
+    return statistics.median(values) if values else None
+
+
+def peak_memory(run):
+    values = [r["peak_mem_mb"] for r in run.records if r.get("peak_mem_mb") is not None]
+    return max(values) if values else None
+
+
+def last_eval(run):
+    evals = [r for r in run.records if "val_loss" in r]
+    return evals[-1] if evals else None
+
+
+def max_difference(run, reference, key):
+    """Largest |run - reference| of `key` over the iterations both logged it; None if none."""
+    mine = {r["iter"]: r[key] for r in run.records if key in r}
+    theirs = {r["iter"]: r[key] for r in reference.records if key in r}
+    common = mine.keys() & theirs.keys()
+    return max(abs(mine[i] - theirs[i]) for i in common) if common else None
+
+
+def fmt(value, spec, unit=""):
+    return "n/a" if value is None else f"{value:{spec}}{unit}"
+
+
+def describe_setup(config):
+    """One line on what the runs trained: model, batch, device."""
+    cap = f", max_memory_gb {config['max_memory_gb']:g}" if config.get("max_memory_gb") else ""
+    device = config["gpu"] or config["device"]
+    return (f"{config['n_layer']} layers, {config['n_head']} heads, n_embd {config['n_embd']}, "
+            f"block_size {config['block_size']}, batch_size {config['batch_size']} x "
+            f"{config['gradient_accumulation_steps']} accumulation ({config['tokens_per_iter']:,} tokens/iter), "
+            f"{config['max_iters']} iters, seed {config['seed']}; {device}, {config['dtype']}{cap}")
+
+
+# ---- the comparison of backends ----
+
+def write_comparison(runs, out, command):
+    os.makedirs(out, exist_ok=True)
+    reference = next((run for run in runs if run.label == REFERENCE and not run.out_of_memory), None)
+    trained = [run for run in runs if not run.out_of_memory]
+    rows = []
+    for run in runs:
+        if run.out_of_memory:
+            rows.append(f"| {run.label} | out of memory |" + " |" * 8)
+            continue
+        final = last_eval(run)
+        step_ms = [r["step_ms"] for r in steady_records(run)]
+        spread = (f"{np.percentile(step_ms, 10):.1f} - {np.percentile(step_ms, 90):.1f}" if step_ms else "n/a")
+        train_diff = max_difference(run, reference, "loss") if reference else None
+        val_diff = max_difference(run, reference, "val_loss") if reference else None
+        rows.append(" | ".join([
+            f"| {run.label}", fmt(final and final["train_loss"], ".4f"), fmt(final and final["val_loss"], ".4f"),
+            fmt(median_of(run, "step_ms"), ".1f"), spread, fmt(median_of(run, "tokens_per_s"), ",.0f"),
+            fmt(median_of(run, "mfu") and 100 * median_of(run, "mfu"), ".1f", "%"), fmt(peak_memory(run), ",.0f"),
+            fmt(train_diff, ".2e"), fmt(val_diff, ".2e")]) + " |")
+    setup = describe_setup(trained[0].config) if trained else "every run ran out of memory"
+    reference_note = ("" if reference else
+                      f"\nNo {REFERENCE} run finished, so there are no differences from its curves.\n")
+    text = f"""# Attention backends compared
+
+`{command}`
+
+{setup}.
+
+Step time is the whole optimizer step (all micro-batches, backward, optimizer), timed between
+device synchronisations; median and 10th-90th percentile over the steady-state iterations
+(after each run's warm-up steps). tokens/s and MFU are medians over the same iterations; peak
+memory is the most torch allocated on the GPU. The last two columns are the largest absolute
+difference from the {REFERENCE} run's curve: the training loss of every logged iteration, and
+the val loss of every evaluation.
+{reference_note}
+| backend | final train loss | final val loss | step ms (median) | step ms (p10 - p90) | tokens/s | MFU | peak memory (MB) | max abs diff, train loss | max abs diff, val loss |
+| --- | --- | --- | --- | --- | --- | --- | --- | --- | --- |
+""" + "\n".join(rows) + "\n"
+    with open(os.path.join(out, "compare.md"), "w") as f:
+        f.write(text)
+    plot_comparison(runs, os.path.join(out, "compare.png"), setup, reference)
+
+
+def plot_comparison(runs, path, setup, reference):
+    fig = Figure(figsize=(17, 9), layout="constrained")
+    (loss_ax, diff_ax, time_ax), (speed_ax, mfu_ax, memory_ax) = fig.subplots(2, 3)
+    fig.suptitle(f"Attention backends compared: {setup}", fontsize=9)
+    trained = [run for run in runs if not run.out_of_memory]
+
+    for run in trained:
+        color = COLORS.get(run.config["attn"])
+        steps = [r for r in run.records if "loss" in r]
+        evals = [r for r in run.records if "val_loss" in r]
+        loss_ax.plot([r["iter"] for r in steps], [r["loss"] for r in steps], color=color, alpha=0.5, lw=1,
+                     label=f"{run.label} train")
+        loss_ax.plot([r["iter"] for r in evals], [r["val_loss"] for r in evals], "o--", color=color, ms=4,
+                     label=f"{run.label} val")
+    loss_ax.set(title="loss (backends that agree draw one curve)", xlabel="iteration", ylabel="cross-entropy")
+    loss_ax.legend(fontsize=7, ncol=2)
+
+    if reference is not None:
+        reference_loss = {r["iter"]: r["loss"] for r in reference.records if "loss" in r}
+        for run in trained:
+            if run is reference:
+                continue
+            pairs = [(r["iter"], abs(r["loss"] - reference_loss[r["iter"]])) for r in run.records
+                     if "loss" in r and r["iter"] in reference_loss]
+            # Identical losses would vanish from a log scale: they are drawn at the floor.
+            diff_ax.plot([i for i, _ in pairs], [max(d, 1e-9) for _, d in pairs], color=COLORS.get(run.config["attn"]),
+                         label=run.label)
+        diff_ax.set(yscale="log", title=f"|training loss - {REFERENCE}'s| (floor 1e-9: equal)", xlabel="iteration")
+        diff_ax.legend(fontsize=7)
+    else:
+        no_data(diff_ax, f"no {REFERENCE} run to compare with")
+
+    step_times = [[r["step_ms"] for r in steady_records(run)] for run in trained]
+    if any(step_times):
+        time_ax.boxplot(step_times, tick_labels=[run.label for run in trained], whis=(10, 90), showfliers=False)
+        time_ax.set(title="steady-state step time (box: quartiles, whiskers: p10-p90)", ylabel="ms")
+    else:
+        no_data(time_ax, "no steady-state steps (max_iters too small)")
+
+    bar_chart(speed_ax, runs, "tokens_per_s", median_of, "tokens/s (median)", "tokens/s", "{:,.0f}")
+    bar_chart(mfu_ax, runs, "mfu", lambda run, key: median_of(run, key) and 100 * median_of(run, key),
+              "MFU (median)", "% of the card's bf16 peak", "{:.1f}%", "n/a: no GPU, or one devices.py has no peak for")
+    bar_chart(memory_ax, runs, "peak_mem_mb", lambda run, key: peak_memory(run), "peak GPU memory", "MB", "{:,.0f}",
+              "n/a: no GPU")
+    cap = trained[0].config.get("max_memory_gb") if trained else None
+    if cap and memory_ax.axison:
+        draw_cap(memory_ax, cap)
+        memory_ax.legend(fontsize=7)
+    fig.savefig(path, dpi=120)
+
+
+def draw_cap(ax, max_memory_gb):
+    """The memory cap as a line, with the axis stretched to show it (peak_mem_mb is MiB)."""
+    cap_mb = max_memory_gb * 1024
+    ax.axhline(cap_mb, color="red", ls=":", label=f"max_memory_gb={max_memory_gb:g}")
+    ax.set_ylim(top=max(ax.get_ylim()[1], 1.08 * cap_mb))
+
+
+def bar_chart(ax, runs, key, value_of, title, unit, label_format, missing="n/a"):
+    """One bar per run; a run that ran out of memory gets a label instead of a bar."""
+    values = {run.label: value_of(run, key) for run in runs if not run.out_of_memory}
+    if all(value is None for value in values.values()):
+        no_data(ax, f"{title}: {missing}")
+        return
+    for i, run in enumerate(runs):
+        if run.out_of_memory:
+            ax.text(i, 0, "out of\nmemory", ha="center", va="bottom", color="red", fontsize=8)
+        elif values[run.label] is not None:
+            ax.bar(i, values[run.label], color=COLORS.get(run.config["attn"]))
+            ax.text(i, values[run.label], label_format.format(values[run.label]), ha="center", va="bottom", fontsize=8)
+    ax.set(title=title, ylabel=unit, xticks=range(len(runs)), xticklabels=[run.label for run in runs])
+
+
+def no_data(ax, message):
+    ax.set_axis_off()
+    ax.text(0.5, 0.5, message, ha="center", va="center", transform=ax.transAxes)
+
+
+# ---- the context-length sweep ----
+
+def run_sweep(backends, sizes, out, passed_on, train_config):
+    """{backend: {block_size: Run or None}}: None where not run, the backend having run out
+    of memory at a shorter context."""
+    tokens = train_config.batch_size * train_config.block_size
+    results = {}
+    for backend in backends:
+        results[backend] = {}
+        ran_out = False
+        for block_size in sizes:
+            if ran_out:
+                results[backend][block_size] = None
+                continue
+            batch_size = max(1, tokens // block_size)
+            # The sweep needs step times, not losses: one eval batch is enough.
+            args = ["--log_interval=1", "--eval_iters=1", *passed_on, f"--attn={backend}",
+                    f"--block_size={block_size}", f"--batch_size={batch_size}"]
+            out_dir = os.path.join(out, "sweep", f"T{block_size}", backend)
+            run = train(f"{backend} T={block_size}", out_dir, args, train_config.max_iters)
+            # Only the numbers matter here; a checkpoint of every point would take GBs.
+            if os.path.exists(os.path.join(out_dir, "ckpt.pt")):
+                os.remove(os.path.join(out_dir, "ckpt.pt"))
+            results[backend][block_size] = run
+            ran_out = run.out_of_memory
+    return results
+
+
+def sweep_cell(run, value):
+    if run is None:
+        return "not run"
+    if run.out_of_memory:
+        return "**OOM**"
+    return value(run)
+
+
+def write_sweep(results, sizes, out, command, train_config):
+    tokens = train_config.batch_size * train_config.block_size
+    finished = [run for by_size in results.values() for run in by_size.values() if run and not run.out_of_memory]
+    # The model, device and dtype of any run, with the config's own block_size and batch_size.
+    setup = (describe_setup({**finished[0].config, "block_size": train_config.block_size,
+                             "batch_size": train_config.batch_size}) if finished else "every run ran out of memory")
+    batch_sizes = ", ".join(f"T={size}: {max(1, tokens // size)}" for size in sizes)
+    header = "| backend | " + " | ".join(f"T={size}" for size in sizes) + " |\n|" + " --- |" * (len(sizes) + 1)
+    tables = []
+    for title, value in [
+        ("median step time (ms), steady state", lambda run: fmt(median_of(run, "step_ms"), ".1f")),
+        ("tokens/s (median)", lambda run: fmt(median_of(run, "tokens_per_s"), ",.0f")),
+        ("peak GPU memory (MB)", lambda run: fmt(peak_memory(run), ",.0f")),
+    ]:
+        rows = [f"| {backend} | " + " | ".join(sweep_cell(by_size[size], value) for size in sizes) + " |"
+                for backend, by_size in results.items()]
+        tables.append(f"## {title}\n\n{header}\n" + "\n".join(rows))
+    text = f"""# Step time and memory vs context length
+
+`{command}`
+
+{setup}.
+
+Each context length T keeps the config's {tokens:,} tokens per micro-batch: batch_size = {tokens:,} / T
+(at least 1), so {batch_sizes}. **OOM**: train.py ran out of memory; "not run": it had already run out at a shorter
+context. Steady state as in compare.md: after each run's warm-up steps.
+
+""" + "\n\n".join(tables) + "\n"
+    with open(os.path.join(out, "sweep.md"), "w") as f:
+        f.write(text)
+    plot_sweep(results, sizes, os.path.join(out, "sweep.png"), setup, train_config.max_memory_gb)
+
+
+def plot_sweep(results, sizes, path, setup, max_memory_gb):
+    fig = Figure(figsize=(13, 5), layout="constrained")
+    time_ax, memory_ax = fig.subplots(1, 2)
+    fig.suptitle(f"Step time and memory vs context length: {setup}", fontsize=9)
+    has_memory = any(run and not run.out_of_memory and peak_memory(run) is not None
+                     for by_size in results.values() for run in by_size.values())
+    axes = (time_ax, memory_ax) if has_memory else (time_ax,)
+    for backend, by_size in results.items():
+        done = [(size, run) for size, run in by_size.items() if run and not run.out_of_memory]
+        out_of_memory = [size for size, run in by_size.items() if run is None or run.out_of_memory]
+        label = backend + (f" (out of memory from T={out_of_memory[0]})" if out_of_memory else "")
+        time_ax.plot([size for size, _ in done], [median_of(run, "step_ms") for _, run in done], "o-",
+                     color=COLORS[backend], label=label)
+        if has_memory:
+            memory_ax.plot([size for size, _ in done], [peak_memory(run) for _, run in done], "o-",
+                           color=COLORS[backend], label=label)
+        for ax in axes:  # an x at the top edge where the backend ran out of memory
+            ax.plot(out_of_memory, [0.97] * len(out_of_memory), "x", color=COLORS[backend], ms=10, mew=2,
+                    transform=ax.get_xaxis_transform())
+    for ax in axes:
+        ax.set_xscale("log", base=2)
+        ax.set_xticks(sizes, [str(size) for size in sizes])
+        ax.set_xlabel("context length (block_size)")
+        ax.set_ylim(bottom=0)
+    time_ax.set(title="median step time, steady state (x: out of memory)", ylabel="ms")
+    time_ax.legend(fontsize=8)
+    if has_memory:
+        if max_memory_gb:
+            draw_cap(memory_ax, max_memory_gb)
+        memory_ax.set(title="peak GPU memory (x: out of memory)", ylabel="MB")
+        memory_ax.legend(fontsize=8)
+    else:
+        no_data(memory_ax, "peak GPU memory: n/a (no GPU)")
+    fig.savefig(path, dpi=120)
+
+
+def main(argv=None):
+    argv = sys.argv[1:] if argv is None else list(argv)
+    config, passed_on, train_config = parse_args(argv)
+    command = " ".join(["python compare.py", *argv])
+    backends = split_list(config.backends)
+    sizes = [int(size) for size in split_list(config.sweep_block_size)]
+    try:
+        if config.from_runs:
+            write_comparison(runs_from_dirs(split_list(config.from_runs)), config.out, command)
+        elif sizes:
+            results = run_sweep(backends, sizes, config.out, passed_on, train_config)
+            write_sweep(results, sizes, config.out, command, train_config)
+        else:
+            runs = [train(backend, os.path.join(config.out, "runs", backend),
+                          ["--log_interval=1", *passed_on, f"--attn={backend}"], train_config.max_iters)
+                    for backend in backends]
+            write_comparison(runs, config.out, command)
+    except CompareError as e:
+        print(f"error: {e}", file=sys.stderr)
+        sys.exit(EXIT_RUN_FAILED)
+    except KeyboardInterrupt:
+        print("compare.py: interrupted", file=sys.stderr)
+        sys.exit(130)
+    written = ["sweep.md", "sweep.png"] if sizes else ["compare.md", "compare.png"]
+    print("wrote " + ", ".join(os.path.join(config.out, name) for name in written))
+
+
+if __name__ == "__main__":
+    main()

@@ -1,0 +1,107 @@
+"""compare.py on the CPU: every backend trains configs/tiny.py (shrunk to a 32-token context
+so the Triton interpreter is quick), the report and figure are written, and each backend's
+loss curves stay within LOSS_TOLERANCE of eager's; the context-length sweep marks the runs
+that ran out of memory; --from_runs compares finished runs; bad arguments stop it first."""
+import os
+from pathlib import Path
+
+import pytest
+
+from attention import BACKENDS
+from conftest import REPO, run_script
+from metrics import read_metrics
+
+# On the CPU in float32 the backends differ from eager by about 1e-6 after 8 steps (summation
+# order); a backend that computes something else is off by 1e-2 or more within a step.
+LOSS_TOLERANCE = 1e-4
+FAKE_OOM = REPO / "tests" / "shims" / "fake_oom"
+
+
+def table_rows(markdown):
+    """{first cell: [cells]} for the rows of the markdown tables in `markdown`."""
+    rows = {}
+    for line in markdown.splitlines():
+        if line.startswith("| ") and not line.startswith("| ---"):
+            cells = [cell.strip() for cell in line.strip("|").split("|")]
+            rows.setdefault(cells[0], cells)
+    return rows
+
+
+def curve(out_dir, key):
+    return {r["iter"]: r[key] for r in read_metrics(out_dir) if key in r}
+
+
+@pytest.fixture(scope="module")
+def comparison(data_dir, tmp_path_factory):
+    out = tmp_path_factory.mktemp("compare")
+    result = run_script("compare.py", "configs/tiny.py", f"--data_dir={data_dir}", "--block_size=32", "--batch_size=4",
+                        "--max_iters=8", "--eval_interval=4", "--eval_iters=2", f"--out={out}", timeout=600)
+    assert result.returncode == 0, result.stderr
+    return out, result
+
+
+def test_compare_trains_every_backend_and_writes_the_report_and_figure(comparison):
+    out, result = comparison
+    assert (out / "compare.png").read_bytes().startswith(b"\x89PNG")
+    rows = table_rows((out / "compare.md").read_text())
+    for backend in BACKENDS:
+        cells = rows[backend]
+        final_train, final_val, step_ms = (float(cells[i]) for i in (1, 2, 3))
+        assert 5 < final_val < 11 and 5 < final_train < 11 and step_ms > 0
+        assert cells[7] == "n/a"  # peak GPU memory, on the CPU
+        assert f"{backend}: 100%" in result.stderr and "8/8" in result.stderr  # its progress bar finished
+        assert [r["iter"] for r in read_metrics(out / "runs" / backend) if "loss" in r] == list(range(1, 9))
+
+
+@pytest.mark.parametrize("backend", [b for b in BACKENDS if b != "eager"])
+def test_loss_curves_stay_within_tolerance_of_eager(comparison, backend):
+    out, _ = comparison
+    for key in ("loss", "train_loss", "val_loss"):
+        eager, other = curve(out / "runs" / "eager", key), curve(out / "runs" / backend, key)
+        assert other.keys() == eager.keys() and eager
+        assert max(abs(other[i] - eager[i]) for i in eager) < LOSS_TOLERANCE, key
+    cells = table_rows((out / "compare.md").read_text())[backend]
+    assert float(cells[8]) < LOSS_TOLERANCE and float(cells[9]) < LOSS_TOLERANCE  # as compare.md reports it
+
+
+def test_from_runs_compares_finished_runs(comparison, tmp_path):
+    out, _ = comparison
+    result = run_script("compare.py", f"--from_runs={out / 'runs' / 'eager'},{out / 'runs' / 'triton'}",
+                        f"--out={tmp_path}")
+    assert result.returncode == 0, result.stderr
+    rows = table_rows((tmp_path / "compare.md").read_text())
+    assert {"eager", "triton"} <= rows.keys() and "sdpa" not in rows
+    assert rows["eager"][1:3] == table_rows((out / "compare.md").read_text())["eager"][1:3]
+    assert (tmp_path / "compare.png").exists()
+
+
+def test_sweep_marks_out_of_memory_and_skips_longer_contexts(data_dir, tmp_path):
+    # The shim makes eager run out of memory from a 32-token context on (see its docstring).
+    env = dict(os.environ, PYTHONPATH=os.pathsep.join([str(FAKE_OOM), os.environ.get("PYTHONPATH", "")]),
+               FAKE_OOM_ROW_LENGTH="32")
+    result = run_script("compare.py", "configs/tiny.py", f"--data_dir={data_dir}", "--backends=eager,sdpa",
+                        "--sweep_block_size=16,32,64", "--max_iters=4", f"--out={tmp_path}", env=env)
+    assert result.returncode == 0, result.stderr
+    sweep_md = (tmp_path / "sweep.md").read_text()
+    step_ms = table_rows(sweep_md.split("## median step time")[1].split("##")[0])
+    assert float(step_ms["eager"][1]) > 0 and step_ms["eager"][2:] == ["**OOM**", "not run"]
+    assert all(float(cell) > 0 for cell in step_ms["sdpa"][1:])
+    assert "T=16: 32, T=32: 16, T=64: 8" in sweep_md  # batch_size keeps 512 tokens per micro-batch
+    assert (tmp_path / "sweep.png").read_bytes().startswith(b"\x89PNG")
+    log = (tmp_path / "sweep" / "T32" / "eager" / "train.log").read_text()
+    assert "error: out of memory with attn=eager, block_size=32, batch_size=16" in log and "Traceback" not in log
+    assert not (tmp_path / "sweep" / "T64" / "eager").exists()
+    assert not list(Path(tmp_path).rglob("ckpt.pt"))  # the sweep keeps numbers, not checkpoints
+
+
+@pytest.mark.parametrize("args, message", [
+    (["--backends=eager,flash"], "backends='eager,flash': expected distinct names from eager, tiled"),
+    (["--attn=triton"], "--attn: compare.py sets it for each run; use --backends=..."),
+    (["--lerning_rate=1e-3"], "unknown key --lerning_rate (did you mean 'learning_rate'?)"),
+    (["--sweep_block_size=256,big"], "sweep_block_size='256,big': expected ints >= 1"),
+], ids=["backend", "attn", "train key", "sweep"])
+def test_bad_arguments_stop_before_any_run(args, message, tmp_path):
+    result = run_script("compare.py", "configs/tiny.py", f"--out={tmp_path / 'out'}", *args)
+    assert result.returncode == 2
+    assert message in result.stderr and "Traceback" not in result.stderr
+    assert not (tmp_path / "out").exists()

@@ -1,0 +1,75 @@
+"""train.py --wandb_log=True with the real wandb package in offline mode, and on a machine
+without wandb (a shim on PYTHONPATH makes `import wandb` fail)."""
+import json
+import os
+import struct
+
+from conftest import REPO, run_script
+from metrics import read_metrics
+
+NO_WANDB = REPO / "tests" / "shims" / "no_wandb"
+LOGGED_KEYS = {"loss", "lr", "step_ms", "tokens_per_s", "mfu", "peak_mem_mb", "warmup", "train_loss", "val_loss"}
+
+
+def wandb_records(path):
+    """The protobuf Records of a wandb run file (run-<id>.wandb). Its format is LevelDB's log:
+    a 7-byte header, then 32 KiB blocks of chunks, each with a 7-byte header (crc32, length,
+    type: 1 full, 2 first, 3 middle, 4 last)."""
+    from wandb.proto import wandb_internal_pb2
+
+    block = 32 * 1024
+    data = path.read_bytes()
+    pos, pending = 7, b""
+    while pos + 7 <= len(data):
+        if block - pos % block < 7:  # too little room left for a header: the block is padded
+            pos += block - pos % block
+            continue
+        _, length, kind = struct.unpack("<IHB", data[pos:pos + 7])
+        pending += data[pos + 7:pos + 7 + length]
+        pos += 7 + length
+        if kind in (1, 4):
+            record = wandb_internal_pb2.Record()
+            record.ParseFromString(pending)
+            pending = b""
+            yield record
+
+
+def test_offline_wandb_run_folder_holds_the_config_and_every_logged_key(tiny_args, tmp_path):
+    # wandb's own settings and caches go to the test's folder, not the home directory.
+    env = dict(os.environ, WANDB_MODE="offline", WANDB_CONFIG_DIR=str(tmp_path / "wandb-config"),
+               WANDB_CACHE_DIR=str(tmp_path / "wandb-cache"), WANDB_DATA_DIR=str(tmp_path / "wandb-data"))
+    result = run_script("train.py", *tiny_args, "--max_iters=4", "--eval_interval=4", "--log_interval=1",
+                        "--attn=sdpa", "--wandb_log=True", env=env)
+    assert result.returncode == 0, result.stderr
+    run_files = list((tmp_path / "out" / "wandb").glob("offline-run-*/run-*.wandb"))
+    assert len(run_files) == 1
+    records = list(wandb_records(run_files[0]))
+
+    run = next(r.run for r in records if r.WhichOneof("record_type") == "run")
+    assert run.project == "nanoFA2" and run.display_name == "sdpa-tiny"
+    config = {item.key: json.loads(item.value_json) for item in run.config.update}
+    assert config["attn"] == "sdpa" and config["block_size"] == 64 and config["world_size"] == 1
+
+    history = {}  # step -> {key: value}
+    for record in records:
+        if record.WhichOneof("record_type") == "history":
+            items = {"/".join(item.nested_key) or item.key: json.loads(item.value_json) for item in record.history.item}
+            history.setdefault(items["_step"], {}).update(items)
+    assert sorted(history) == [0, 1, 2, 3, 4]
+    assert LOGGED_KEYS <= set().union(*history.values())
+    for record in read_metrics(tmp_path / "out"):  # wandb got what metrics.jsonl got
+        assert {key: history[record["iter"]][key] for key in record if key != "iter"} == \
+            {key: value for key, value in record.items() if key != "iter"}
+
+
+def test_without_wandb_training_goes_on_with_local_metrics(tiny_args, tmp_path):
+    env = dict(os.environ, PYTHONPATH=os.pathsep.join([str(NO_WANDB), os.environ.get("PYTHONPATH", "")]))
+    result = run_script("train.py", *tiny_args, "--max_iters=4", "--eval_interval=4", "--log_interval=2",
+                        "--wandb_log=True", env=env)
+    assert result.returncode == 0, result.stderr
+    assert result.stderr.count("wandb_log=True but wandb cannot be imported (pip install wandb)") == 1
+    assert "Traceback" not in result.stderr
+    records = read_metrics(tmp_path / "out")
+    assert [r["iter"] for r in records if "loss" in r] == [2, 3, 4]
+    assert [r["iter"] for r in records if "val_loss" in r] == [0, 4]
+    assert not (tmp_path / "out" / "wandb").exists()
