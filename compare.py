@@ -40,7 +40,7 @@ from matplotlib.figure import Figure
 from tqdm import tqdm
 
 from attention import BACKENDS
-from configurator import EXIT_BAD_CONFIG, ConfigError, describe, parse_config
+from configurator import ConfigError, describe, parse_config
 from devices import EXIT_OUT_OF_MEMORY
 from metrics import CONFIG_NAME, METRICS_NAME, read_metrics, read_run_config
 from train_config import TrainConfig, check_config
@@ -78,7 +78,8 @@ def split_list(text):
     return [item.strip() for item in text.split(",") if item.strip()]
 
 
-def check_compare_config(config):
+def check_compare_config(config, passed_on):
+    """The rules for compare.py's own keys, and for the train.py arguments it passes on."""
     backends = split_list(config.backends)
     unknown = [b for b in backends if b not in BACKENDS]
     if not backends or unknown or len(set(backends)) != len(backends):
@@ -94,6 +95,12 @@ def check_compare_config(config):
         for name in (CONFIG_NAME, METRICS_NAME):
             if not os.path.isfile(os.path.join(out_dir, name)):
                 raise ConfigError(f"from_runs: {out_dir} has no {name}; expected the out_dir of a train.py run")
+    for arg in passed_on:
+        key = arg[2:].partition("=")[0] if arg.startswith("--") else None
+        if key in SET_PER_RUN:
+            raise ConfigError(f"--{key}: compare.py sets it for each run; use {SET_PER_RUN[key]}=...")
+        if config.from_runs:
+            raise ConfigError(f"{arg}: from_runs compares finished runs, so train.py settings do not apply")
 
 
 def parse_args(argv):
@@ -106,21 +113,10 @@ def parse_args(argv):
     own_keys = {f.name for f in fields(CompareConfig)}
     own = [arg for arg in argv if arg.startswith("--") and arg[2:].partition("=")[0] in own_keys]
     passed_on = [arg for arg in argv if arg not in own]
-    config = parse_config(CompareConfig, own, check=check_compare_config)
-    for arg in passed_on:
-        key = arg[2:].partition("=")[0] if arg.startswith("--") else None
-        if key in SET_PER_RUN:
-            exit_bad_config(f"--{key}: compare.py sets it for each run; use {SET_PER_RUN[key]}=...")
-        if config.from_runs:
-            exit_bad_config(f"{arg}: from_runs compares finished runs, so train.py settings do not apply")
+    config = parse_config(CompareConfig, own, check=lambda config: check_compare_config(config, passed_on))
     # Checked now, so a typo stops compare.py before the first run rather than after it.
     train_config = parse_config(TrainConfig, passed_on, check=check_config)
     return config, passed_on, train_config
-
-
-def exit_bad_config(message):
-    print(f"config error: {message}", file=sys.stderr)
-    sys.exit(EXIT_BAD_CONFIG)
 
 
 def train(label, out_dir, args, total_iters):
@@ -333,10 +329,14 @@ def no_data(ax, message):
 
 # ---- the context-length sweep ----
 
+def sweep_batch_size(train_config, block_size):
+    """The batch_size that keeps the config's tokens per micro-batch at this block_size."""
+    return max(1, train_config.batch_size * train_config.block_size // block_size)
+
+
 def run_sweep(backends, sizes, out, passed_on, train_config):
     """{backend: {block_size: Run or None}}: None where not run, the backend having run out
     of memory at a shorter context."""
-    tokens = train_config.batch_size * train_config.block_size
     results = {}
     for backend in backends:
         results[backend] = {}
@@ -345,7 +345,7 @@ def run_sweep(backends, sizes, out, passed_on, train_config):
             if ran_out:
                 results[backend][block_size] = None
                 continue
-            batch_size = max(1, tokens // block_size)
+            batch_size = sweep_batch_size(train_config, block_size)
             # The sweep needs step times, not losses: one eval batch is enough.
             args = ["--log_interval=1", "--eval_iters=1", *passed_on, f"--attn={backend}",
                     f"--block_size={block_size}", f"--batch_size={batch_size}"]
@@ -373,7 +373,7 @@ def write_sweep(results, sizes, out, command, train_config):
     # The model, device and dtype of any run, with the config's own block_size and batch_size.
     setup = (describe_setup({**finished[0].config, "block_size": train_config.block_size,
                              "batch_size": train_config.batch_size}) if finished else "every run ran out of memory")
-    batch_sizes = ", ".join(f"T={size}: {max(1, tokens // size)}" for size in sizes)
+    batch_sizes = ", ".join(f"T={size}: {sweep_batch_size(train_config, size)}" for size in sizes)
     header = "| backend | " + " | ".join(f"T={size}" for size in sizes) + " |\n|" + " --- |" * (len(sizes) + 1)
     tables = []
     for title, value in [
