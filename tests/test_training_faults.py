@@ -141,6 +141,15 @@ def test_out_of_memory_names_backend_block_size_and_batch_size_and_exits_3(tiny_
     assert len(result.stderr.strip().splitlines()) == 1 and "Traceback" not in result.stderr
 
 
+@pytest.mark.gpu
+def test_memory_cap_runs_out_like_a_smaller_card(tiny_args, tmp_path):
+    # 10 MiB cannot hold the tiny model's 13 MB of weights: the real CUDA allocator refuses.
+    result = run_script("train.py", *tiny_args, "--device=cuda", "--max_iters=2", "--max_memory_gb=0.01")
+    assert result.returncode == EXIT_OUT_OF_MEMORY
+    assert "error: out of memory under max_memory_gb=0.01 with attn=eager, block_size=64, batch_size=8" in result.stderr
+    assert "Traceback" not in result.stderr
+
+
 def test_resume_without_a_checkpoint_is_a_clear_error(tiny_args, tmp_path):
     result = run_script("train.py", *tiny_args, "--init_from=resume")
     assert result.returncode == 1
