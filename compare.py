@@ -107,7 +107,8 @@ def parse_args(argv):
     """(CompareConfig, the train.py arguments to pass on, their TrainConfig); exits 2 on bad ones."""
     if "-h" in argv or "--help" in argv:
         print(__doc__)
-        print(describe(CompareConfig))
+        print("compare.py keys (--key=value):")
+        print("\n".join(describe(CompareConfig).splitlines()[1:]))
         print("and any train.py key (python train.py --help), passed on to every run")
         sys.exit(0)
     own_keys = {f.name for f in fields(CompareConfig)}
@@ -208,7 +209,7 @@ def describe_setup(config):
 
 def write_comparison(runs, out, command):
     os.makedirs(out, exist_ok=True)
-    reference = next((run for run in runs if run.label == REFERENCE and not run.out_of_memory), None)
+    reference = next((run for run in runs if run.config.get("attn") == REFERENCE), None)  # the first, if several
     trained = [run for run in runs if not run.out_of_memory]
     rows = []
     for run in runs:
@@ -238,7 +239,7 @@ Step time is the whole optimizer step (all micro-batches, backward, optimizer), 
 device synchronisations; median and 10th-90th percentile over the steady-state iterations
 (after each run's warm-up steps). tokens/s and MFU are medians over the same iterations; peak
 memory is the most torch allocated on the GPU. The last two columns are the largest absolute
-difference from the {REFERENCE} run's curve: the training loss of every logged iteration, and
+difference from the (first) {REFERENCE} run's curve: the training loss of every logged iteration, and
 the val loss of every evaluation.
 {reference_note}
 | backend | final train loss | final val loss | step ms (median) | step ms (p10 - p90) | tokens/s | MFU | peak memory (MB) | max abs diff, train loss | max abs diff, val loss |
