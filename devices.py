@@ -90,7 +90,8 @@ def cap_memory(device, max_gb):
     if device.type != "cuda":
         raise DeviceError(f"max_memory_gb={max_gb:g} caps CUDA memory, but the device is {device.type}; "
                           "leave max_memory_gb at 0 there")
-    total_gb = torch.cuda.get_device_properties(device).total_memory / 2**30
+    index = device.index if device.index is not None else torch.cuda.current_device()  # torch wants an index here
+    total_gb = torch.cuda.get_device_properties(index).total_memory / 2**30
     # A cap above the card's size would be an error to torch; the card itself is the cap then.
-    torch.cuda.set_per_process_memory_fraction(min(max_gb / total_gb, 1.0), device)
+    torch.cuda.set_per_process_memory_fraction(min(max_gb / total_gb, 1.0), index)
     return total_gb
