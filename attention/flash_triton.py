@@ -13,14 +13,14 @@ import torch
 from .inputs import check_inputs, check_triton_inputs
 from .recompute_backward import recompute_backward
 from .triton_backward import flash_backward
-from .triton_common import as_4d, descriptor_ready, warn_if_interpreting
+from .triton_common import check_kernel_device, descriptor_ready
 from .triton_forward import flash_forward
 
 
 def _forward(ctx, Q, K, V, is_causal):
     check_inputs(Q, K, V, is_causal)
     check_triton_inputs(Q, K, V)
-    warn_if_interpreting(Q)
+    check_kernel_device(Q)
     O, L = flash_forward(descriptor_ready(Q), descriptor_ready(K), descriptor_ready(V), is_causal)
     O, L = O.view(Q.shape), L.view(Q.shape[:-1])
     ctx.save_for_backward(Q, K, V, O, L)
@@ -36,7 +36,7 @@ class FlashAttentionTriton(torch.autograd.Function):
     @staticmethod
     def backward(ctx, dO):
         Q, K, V, O, L = ctx.saved_tensors
-        dQ, dK, dV = flash_backward(*(descriptor_ready(t) for t in (Q, K, V, O, dO)), as_4d(L), ctx.is_causal)
+        dQ, dK, dV = flash_backward(*(descriptor_ready(t) for t in (Q, K, V, O, dO)), L, ctx.is_causal)
         return dQ.view(Q.shape), dK.view(K.shape), dV.view(V.shape), None
 
 

@@ -14,6 +14,7 @@ def set_tma_scratch_allocator():
     Triton asks for at each launch. Its allocator is a context variable, so set it per launch."""
     triton.set_allocator(lambda size, alignment, stream: torch.empty(size, dtype=torch.int8, device="cuda"))
 
+
 # Shared memory of the target card, the RTX 4070 Super (sm_89): 99 KB per block. Every
 # config the code can pick on such a card must fit it; tests/test_triton_configs.py
 # compiles each one for sm_89 and checks.
@@ -41,7 +42,8 @@ def descriptor_ready(t):
     return t4.clone(memory_format=torch.contiguous_format)
 
 
-def warn_if_interpreting(t):
+def check_kernel_device(t):
+    """CPU tensors run through the interpreter (with a warning); that needs the interpreter on."""
     if t.device.type == "cpu":
         if not INTERPRETING:
             raise ValueError("q is a CPU tensor but the Triton kernels were compiled for the GPU; set "
@@ -63,7 +65,8 @@ def seq_bucket(n):
 def shared_memory_limit(device):
     if INTERPRETING or device.type != "cuda":
         return ADA_SHARED_MEMORY_BYTES
-    return triton.runtime.driver.active.utils.get_device_properties(device.index or 0)["max_shared_mem"]
+    index = device.index if device.index is not None else torch.cuda.current_device()
+    return triton.runtime.driver.active.utils.get_device_properties(index)["max_shared_mem"]
 
 
 # Shared memory the compiler adds beyond the tiles (barriers, layout-conversion scratch);
