@@ -17,21 +17,17 @@ from .triton_common import check_kernel_device, descriptor_ready
 from .triton_forward import flash_forward
 
 
-def _forward(ctx, Q, K, V, is_causal):
-    check_inputs(Q, K, V, is_causal)
-    check_triton_inputs(Q, K, V)
-    check_kernel_device(Q)
-    O, L = flash_forward(descriptor_ready(Q), descriptor_ready(K), descriptor_ready(V), is_causal)
-    O, L = O.view(Q.shape), L.view(Q.shape[:-1])
-    ctx.save_for_backward(Q, K, V, O, L)
-    ctx.is_causal = is_causal
-    return O
-
-
 class FlashAttentionTriton(torch.autograd.Function):
     @staticmethod
     def forward(ctx, Q, K, V, is_causal=False):
-        return _forward(ctx, Q, K, V, is_causal)
+        check_inputs(Q, K, V, is_causal)
+        check_triton_inputs(Q, K, V)
+        check_kernel_device(Q)
+        O, L = flash_forward(descriptor_ready(Q), descriptor_ready(K), descriptor_ready(V), is_causal)
+        O, L = O.view(Q.shape), L.view(Q.shape[:-1])
+        ctx.save_for_backward(Q, K, V, O, L)
+        ctx.is_causal = is_causal
+        return O
 
     @staticmethod
     def backward(ctx, dO):
@@ -40,10 +36,8 @@ class FlashAttentionTriton(torch.autograd.Function):
         return dQ.view(Q.shape), dK.view(K.shape), dV.view(V.shape), None
 
 
-class FlashAttentionTritonFwd(torch.autograd.Function):
-    @staticmethod
-    def forward(ctx, Q, K, V, is_causal=False):
-        return _forward(ctx, Q, K, V, is_causal)
+class FlashAttentionTritonFwd(FlashAttentionTriton):
+    """The same forward; the backward is the PyTorch recompute."""
 
     @staticmethod
     def backward(ctx, dO):

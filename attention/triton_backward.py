@@ -17,9 +17,9 @@ import triton
 import triton.language as tl
 
 from .triton_common import prune_configs, seq_bucket, set_tma_scratch_allocator
-from .triton_forward import LOG2_E, _head_matrix, _key_tile_bounds, _load_tile, _store_tile
+from .triton_forward import LOG2_E, _head_matrix, _key_tile_bounds, _load_tile, _query_tile_start, _store_tile
 
-LOG2_E_ = tl.constexpr(LOG2_E)
+KERNEL_LOG2_E = tl.constexpr(LOG2_E)  # the same number, usable inside kernels
 
 
 @triton.jit(do_not_specialize=["N_Q"])
@@ -47,7 +47,7 @@ def _dkdv_query_tiles(dk, dv, k_tile, v_tile, Q, dO, stride_qn, stride_don, LSE,
         q_tile = _load_tile(Q, tile_start, N_Q, stride_qn, BLOCK_M, HEAD_DIM, USE_TMA)
         do_tile = _load_tile(dO, tile_start, N_Q, stride_don, BLOCK_M, HEAD_DIM, USE_TMA)
         # Rows past N_Q read L = +inf, so their probabilities are exactly 0 and need no mask.
-        lse2 = tl.load(LSE + rows, mask=rows < N_Q, other=float("inf")) * LOG2_E_
+        lse2 = tl.load(LSE + rows, mask=rows < N_Q, other=float("inf")) * KERNEL_LOG2_E
         delta = tl.load(Delta + rows, mask=rows < N_Q, other=0.0)
         p_t = tl.exp2(tl.dot(k_tile, tl.trans(q_tile)) * qk_scale - lse2[None, :])  # P^T, (BLOCK_N, BLOCK_M)
         if MASKED:  # this query tile crosses the diagonal: key j is visible to query i when j <= i
@@ -128,10 +128,7 @@ def _bwd_dq(Q, K, V, dO, dQ, LSE, Delta,
             H, N_Q, N_K, qk_scale, sm_scale, N_Q_BUCKET, N_K_BUCKET,
             IS_CAUSAL: tl.constexpr, HEAD_DIM: tl.constexpr,
             BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr, USE_TMA: tl.constexpr):
-    tile_m = tl.program_id(0)
-    if IS_CAUSAL:  # the longest query tiles first, as in the forward
-        tile_m = tl.num_programs(0) - 1 - tile_m
-    start_m = tile_m * BLOCK_M
+    start_m = _query_tile_start(IS_CAUSAL, BLOCK_M)
     bh = tl.program_id(1)
     Q = _head_matrix(Q, bh, H, stride_qb, stride_qh, stride_qn, N_Q, HEAD_DIM, BLOCK_M, USE_TMA)
     dO = _head_matrix(dO, bh, H, stride_dob, stride_doh, stride_don, N_Q, HEAD_DIM, BLOCK_M, USE_TMA)
@@ -142,7 +139,7 @@ def _bwd_dq(Q, K, V, dO, dQ, LSE, Delta,
     rows = start_m + tl.arange(0, BLOCK_M)
     q_tile = _load_tile(Q, start_m, N_Q, stride_qn, BLOCK_M, HEAD_DIM, USE_TMA)
     do_tile = _load_tile(dO, start_m, N_Q, stride_don, BLOCK_M, HEAD_DIM, USE_TMA)
-    lse2 = tl.load(LSE + bh * N_Q + rows, mask=rows < N_Q, other=float("inf")) * LOG2_E_
+    lse2 = tl.load(LSE + bh * N_Q + rows, mask=rows < N_Q, other=float("inf")) * KERNEL_LOG2_E
     delta = tl.load(Delta + bh * N_Q + rows, mask=rows < N_Q, other=0.0)
     dq = tl.zeros([BLOCK_M, HEAD_DIM], dtype=tl.float32)
 

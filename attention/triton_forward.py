@@ -22,6 +22,16 @@ LN_2 = tl.constexpr(0.6931471805599453)
 
 
 @triton.jit
+def _query_tile_start(IS_CAUSAL: tl.constexpr, BLOCK_M: tl.constexpr):
+    """The first query row of this program's tile. Causal query tiles near the end have the
+    most keys to visit: launch them first, so the short ones fill the gaps at the end of the grid."""
+    tile_m = tl.program_id(0)
+    if IS_CAUSAL:
+        tile_m = tl.num_programs(0) - 1 - tile_m
+    return tile_m * BLOCK_M
+
+
+@triton.jit
 def _key_tile_bounds(start_m, N_K, IS_CAUSAL: tl.constexpr, BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr):
     """Which key tiles the query tile starting at row start_m visits: [0, unmasked_end) are
     visible to all its rows and lie inside N_K; [unmasked_end, end) need the mask. Causal:
@@ -107,12 +117,7 @@ def _attn_fwd(Q, K, V, O, L,
               H, N_Q, N_K, qk_scale, N_Q_BUCKET, N_K_BUCKET,
               IS_CAUSAL: tl.constexpr, HEAD_DIM: tl.constexpr,
               BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr, USE_TMA: tl.constexpr):
-    # Causal query tiles near the end have the most keys to visit: launch them first so the
-    # short ones fill in the gaps at the end of the grid.
-    tile_m = tl.program_id(0)
-    if IS_CAUSAL:
-        tile_m = tl.num_programs(0) - 1 - tile_m
-    start_m = tile_m * BLOCK_M
+    start_m = _query_tile_start(IS_CAUSAL, BLOCK_M)
     bh = tl.program_id(1)
     Q = _head_matrix(Q, bh, H, stride_qb, stride_qh, stride_qn, N_Q, HEAD_DIM, BLOCK_M, USE_TMA)
     K = _head_matrix(K, bh, H, stride_kb, stride_kh, stride_kn, N_K, HEAD_DIM, BLOCK_N, USE_TMA)
