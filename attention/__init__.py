@@ -34,6 +34,9 @@ from .inputs import check_inputs  # noqa: E402
 from .sdpa import sdpa_attention  # noqa: E402
 from .tiled import FlashAttentionPytorch  # noqa: E402
 
+__all__ = ["BACKENDS", "attention", "eager_attention", "eager_attention_with_lse", "sdpa_attention",
+           "FlashAttentionPytorch", "FlashAttentionTriton", "FlashAttentionTritonFwd"]
+
 BACKENDS = ("eager", "tiled", "triton", "triton_fwd", "sdpa")
 
 _BACKEND_FUNCTIONS = {
