@@ -1,39 +1,23 @@
-"""FlashAttention-2 backward in Triton: three kernels, no atomics.
+"""FlashAttention-2 backward in Triton: two kernels, no atomics.
 
-1. _bwd_preprocess: Delta = rowsum(dO * O), one float32 per query row.
+1. _bwd_dq: one program holds one query tile and streams the K/V tiles past it (the same
+   schedule as the forward), accumulating dQ. It first computes its rows' Delta =
+   rowsum(dO * O), which it needs itself, and stores it for the second kernel.
 2. _bwd_dkdv: one program holds one K/V tile of one (batch, head) and streams the query
    tiles past it, accumulating dK and dV in float32 registers.
-3. _bwd_dq: one program holds one query tile and streams the K/V tiles past it (the same
-   schedule as the forward), accumulating dQ.
 
 Neither pass stores P: both recompute it from the saved logsumexp, P = exp2(S*log2e - L*log2e).
 Splitting dQ from dK/dV costs one more S = Q K^T per tile pair but lets every program own
 its output tile, so there are no atomic adds and each pass gets its own tile sizes.
 """
-from functools import partial
-
 import torch
 import triton
 import triton.language as tl
 
-from .triton_common import prune_configs, seq_bucket, set_tma_scratch_allocator
+from .triton_common import TunedKernel, set_tma_scratch_allocator, tuning_key
 from .triton_forward import LOG2_E, _head_matrix, _key_tile_bounds, _load_tile, _query_tile_start, _store_tile
 
 KERNEL_LOG2_E = tl.constexpr(LOG2_E)  # the same number, usable inside kernels
-
-
-@triton.jit(do_not_specialize=["N_Q"])
-def _bwd_preprocess(O, dO, Delta, stride_ob, stride_oh, stride_on, stride_dob, stride_doh, stride_don,
-                    H, N_Q, HEAD_DIM: tl.constexpr, BLOCK_M: tl.constexpr):
-    """Delta for one tile of query rows: one pass over O and dO, memory-bound, plain loads."""
-    start_m = tl.program_id(0) * BLOCK_M
-    bh = tl.program_id(1)
-    O = _head_matrix(O, bh, H, stride_ob, stride_oh, stride_on, N_Q, HEAD_DIM, BLOCK_M, False)
-    dO = _head_matrix(dO, bh, H, stride_dob, stride_doh, stride_don, N_Q, HEAD_DIM, BLOCK_M, False)
-    o_tile = _load_tile(O, start_m, N_Q, stride_on, BLOCK_M, HEAD_DIM, False).to(tl.float32)
-    do_tile = _load_tile(dO, start_m, N_Q, stride_don, BLOCK_M, HEAD_DIM, False).to(tl.float32)
-    rows = start_m + tl.arange(0, BLOCK_M)
-    tl.store(Delta + bh * N_Q + rows, tl.sum(o_tile * do_tile, 1), mask=rows < N_Q)
 
 
 @triton.jit
@@ -64,7 +48,7 @@ def _bwd_dkdv(Q, K, V, dO, dK, dV, LSE, Delta,
               stride_qb, stride_qh, stride_qn, stride_kb, stride_kh, stride_kn,
               stride_vb, stride_vh, stride_vn, stride_dob, stride_doh, stride_don,
               stride_dkb, stride_dkh, stride_dkn, stride_dvb, stride_dvh, stride_dvn,
-              H, N_Q, N_K, qk_scale, sm_scale, N_Q_BUCKET, N_K_BUCKET,
+              H, N_Q, N_K, qk_scale, sm_scale,
               IS_CAUSAL: tl.constexpr, HEAD_DIM: tl.constexpr,
               BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr, USE_TMA: tl.constexpr):
     start_n = tl.program_id(0) * BLOCK_N
@@ -121,11 +105,11 @@ def _dq_key_tiles(dq, q_tile, do_tile, lse2, delta, K, V, stride_kn, stride_vn, 
 
 
 @triton.jit(do_not_specialize=["N_Q", "N_K"])
-def _bwd_dq(Q, K, V, dO, dQ, LSE, Delta,
+def _bwd_dq(Q, K, V, O, dO, dQ, LSE, Delta,
             stride_qb, stride_qh, stride_qn, stride_kb, stride_kh, stride_kn,
-            stride_vb, stride_vh, stride_vn, stride_dob, stride_doh, stride_don,
+            stride_vb, stride_vh, stride_vn, stride_ob, stride_oh, stride_on, stride_dob, stride_doh, stride_don,
             stride_dqb, stride_dqh, stride_dqn,
-            H, N_Q, N_K, qk_scale, sm_scale, N_Q_BUCKET, N_K_BUCKET,
+            H, N_Q, N_K, qk_scale, sm_scale,
             IS_CAUSAL: tl.constexpr, HEAD_DIM: tl.constexpr,
             BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr, USE_TMA: tl.constexpr):
     start_m = _query_tile_start(IS_CAUSAL, BLOCK_M)
@@ -134,13 +118,17 @@ def _bwd_dq(Q, K, V, dO, dQ, LSE, Delta,
     dO = _head_matrix(dO, bh, H, stride_dob, stride_doh, stride_don, N_Q, HEAD_DIM, BLOCK_M, USE_TMA)
     K = _head_matrix(K, bh, H, stride_kb, stride_kh, stride_kn, N_K, HEAD_DIM, BLOCK_N, USE_TMA)
     V = _head_matrix(V, bh, H, stride_vb, stride_vh, stride_vn, N_K, HEAD_DIM, BLOCK_N, USE_TMA)
+    O = _head_matrix(O, bh, H, stride_ob, stride_oh, stride_on, N_Q, HEAD_DIM, BLOCK_M, False)
     dQ = _head_matrix(dQ, bh, H, stride_dqb, stride_dqh, stride_dqn, N_Q, HEAD_DIM, BLOCK_M, USE_TMA)
 
     rows = start_m + tl.arange(0, BLOCK_M)
     q_tile = _load_tile(Q, start_m, N_Q, stride_qn, BLOCK_M, HEAD_DIM, USE_TMA)
     do_tile = _load_tile(dO, start_m, N_Q, stride_don, BLOCK_M, HEAD_DIM, USE_TMA)
     lse2 = tl.load(LSE + bh * N_Q + rows, mask=rows < N_Q, other=float("inf")) * KERNEL_LOG2_E
-    delta = tl.load(Delta + bh * N_Q + rows, mask=rows < N_Q, other=0.0)
+    # Delta_i = dO_i . O_i: read once per row, as a plain load (O is needed for nothing else).
+    o_tile = _load_tile(O, start_m, N_Q, stride_on, BLOCK_M, HEAD_DIM, False)
+    delta = tl.sum(o_tile.to(tl.float32) * do_tile.to(tl.float32), 1)
+    tl.store(Delta + bh * N_Q + rows, delta, mask=rows < N_Q)  # for _bwd_dkdv, launched next
     dq = tl.zeros([BLOCK_M, HEAD_DIM], dtype=tl.float32)
 
     unmasked_end, end = _key_tile_bounds(start_m, N_K, IS_CAUSAL, BLOCK_M, BLOCK_N)
@@ -174,42 +162,40 @@ DKDV_CONFIGS = [triton.Config({"BLOCK_N": r, "BLOCK_M": m, "USE_TMA": tma}, num_
 DQ_CONFIGS = [triton.Config({"BLOCK_M": r, "BLOCK_N": n, "USE_TMA": tma}, num_warps=w, num_stages=s)
               for r, n, w, s, tma in _BACKWARD_CONFIGS["dq"]]
 
-_KEY = ["N_Q_BUCKET", "N_K_BUCKET", "HEAD_DIM", "IS_CAUSAL"]
-_bwd_dkdv_tuned = triton.autotune(DKDV_CONFIGS, key=_KEY,
-                                  prune_configs_by={"early_config_prune": partial(prune_configs, tiles=dkdv_smem_rows)})(_bwd_dkdv)
-_bwd_dq_tuned = triton.autotune(DQ_CONFIGS, key=_KEY,
-                                prune_configs_by={"early_config_prune": partial(prune_configs, tiles=dq_smem_rows)})(_bwd_dq)
-
-PREPROCESS_BLOCK_M = 64
+_bwd_dkdv_tuned = TunedKernel(_bwd_dkdv, DKDV_CONFIGS, dkdv_smem_rows)
+_bwd_dq_tuned = TunedKernel(_bwd_dq, DQ_CONFIGS, dq_smem_rows)
 
 
 def flash_backward(q, k, v, o, do, lse, is_causal, dkdv_config=None, dq_config=None):
     """Gradients of O = attention(q, k, v) for (B, H, N, D) descriptor-ready q, k, v, o, do
-    and the forward's contiguous float32 L. Returns contiguous dq, dk, dv in q's dtype.
-    dkdv_config / dq_config: triton.Configs to bypass the autotuner (tests, bench.py)."""
+    and the forward's contiguous float32 L. Returns dq, dk, dv in the dtypes and memory order
+    of q, k, v (for the model's views of one fused projection, the order its gradient is
+    assembled in). dkdv_config / dq_config: triton.Configs to bypass the tuning (tests, bench.py)."""
     B, H, N_Q, D = q.shape
     N_K = k.shape[2]
-    dq = torch.zeros(q.shape, dtype=q.dtype, device=q.device)
-    dk = torch.zeros(k.shape, dtype=k.dtype, device=k.device)
-    dv = torch.zeros(v.shape, dtype=v.dtype, device=v.device)
+    dq, dk, dv = torch.empty_like(q), torch.empty_like(k), torch.empty_like(v)
     if B * H * N_Q * N_K == 0:  # no query or no key: every gradient is zero
-        return dq, dk, dv
+        return dq.zero_(), dk.zero_(), dv.zero_()
     set_tma_scratch_allocator()
     delta = torch.empty((B, H, N_Q), dtype=torch.float32, device=q.device)
-    _bwd_preprocess[(triton.cdiv(N_Q, PREPROCESS_BLOCK_M), B * H)](
-        o, do, delta, *o.stride()[:3], *do.stride()[:3], H, N_Q, HEAD_DIM=D, BLOCK_M=PREPROCESS_BLOCK_M)
-
     sm_scale = D ** -0.5
-    shape_args = (H, N_Q, N_K, sm_scale * LOG2_E, sm_scale, seq_bucket(N_Q), seq_bucket(N_K))
-    strides = (*q.stride()[:3], *k.stride()[:3], *v.stride()[:3], *do.stride()[:3])
+    shape_args = (H, N_Q, N_K, sm_scale * LOG2_E, sm_scale)
+    strides = (*q.stride()[:3], *k.stride()[:3], *v.stride()[:3])
+    key = tuning_key(q, k, is_causal)
 
-    kernel, extra = (_bwd_dkdv_tuned, {}) if dkdv_config is None else (_bwd_dkdv, dkdv_config.all_kwargs())
-    grid = lambda meta: (triton.cdiv(N_K, meta["BLOCK_N"]), B * H)
-    kernel[grid](q, k, v, do, dk, dv, lse, delta, *strides, *dk.stride()[:3], *dv.stride()[:3], *shape_args,
-                 IS_CAUSAL=is_causal, HEAD_DIM=D, **extra)
-
-    kernel, extra = (_bwd_dq_tuned, {}) if dq_config is None else (_bwd_dq, dq_config.all_kwargs())
+    # dQ first: it also writes Delta, which the dK/dV kernel reads.
+    args = (q, k, v, o, do, dq, lse, delta, *strides, *o.stride()[:3], *do.stride()[:3], *dq.stride()[:3], *shape_args)
     grid = lambda meta: (triton.cdiv(N_Q, meta["BLOCK_M"]), B * H)
-    kernel[grid](q, k, v, do, dq, lse, delta, *strides, *dq.stride()[:3], *shape_args,
-                 IS_CAUSAL=is_causal, HEAD_DIM=D, **extra)
+    if dq_config is None:
+        _bwd_dq_tuned(grid, key, *args, IS_CAUSAL=is_causal, HEAD_DIM=D)
+    else:
+        _bwd_dq[grid](*args, IS_CAUSAL=is_causal, HEAD_DIM=D, **dq_config.all_kwargs())
+
+    args = (q, k, v, do, dk, dv, lse, delta, *strides, *do.stride()[:3], *dk.stride()[:3], *dv.stride()[:3],
+            *shape_args)
+    grid = lambda meta: (triton.cdiv(N_K, meta["BLOCK_N"]), B * H)
+    if dkdv_config is None:
+        _bwd_dkdv_tuned(grid, key, *args, IS_CAUSAL=is_causal, HEAD_DIM=D)
+    else:
+        _bwd_dkdv[grid](*args, IS_CAUSAL=is_causal, HEAD_DIM=D, **dkdv_config.all_kwargs())
     return dq, dk, dv

@@ -23,6 +23,8 @@ ADA_SHARED_MEMORY_BYTES = 101376
 
 def as_4d(t):
     """(..., N, D) -> a (B, H, N, D) view (a copy only when the leading dims cannot be viewed)."""
+    if t.dim() == 4:  # the common case, and a reshape costs CPU time even when it changes nothing
+        return t
     if t.dim() == 2:
         return t[None, None]
     if t.dim() == 3:
@@ -56,10 +58,11 @@ def has_tma(device):
     return device.type == "cuda" and torch.cuda.get_device_capability(device)[0] >= 9
 
 
-def seq_bucket(n):
-    """Autotune key for a sequence length: its power-of-two bucket, so a KV cache that grows
-    by one token a step does not re-tune at every step."""
-    return triton.next_power_of_2(max(int(n), 16))
+def tuning_key(q, k, is_causal):
+    """What changes a kernel's fastest config: the lengths (as power-of-two buckets, so a KV cache
+    that grows by one token a step does not re-tune at every step), head dim, mask and dtype."""
+    return triton.next_power_of_2(max(q.shape[2], 16)), triton.next_power_of_2(max(k.shape[2], 16)), \
+        q.shape[3], is_causal, q.dtype
 
 
 def shared_memory_limit(device):
@@ -85,14 +88,46 @@ def shared_memory_bytes(config, smem_rows, head_dim, element_size):
     return element_size * head_dim * (resident + stages * streamed) + SHARED_MEMORY_SLACK_BYTES
 
 
-def prune_configs(configs, named_args, tiles, **kwargs):
-    """Autotuner pre-filter: drop TMA configs on cards without TMA, and configs whose tiles
-    would not fit the card's shared memory."""
-    q = named_args["Q"]
+def prune_configs(configs, q, smem_rows):
+    """The configs a kernel may run with on q's card: no TMA configs on cards without TMA, and
+    none whose tiles would not fit the card's shared memory."""
     if not has_tma(q.device) and not INTERPRETING:
         configs = [c for c in configs if not c.kwargs["USE_TMA"]]
-    footprint = lambda c: shared_memory_bytes(c, tiles, kwargs["HEAD_DIM"], q.element_size())
+    footprint = lambda c: shared_memory_bytes(c, smem_rows, q.shape[-1], q.element_size())
     fits = [c for c in configs if footprint(c) <= shared_memory_limit(q.device)] or [min(configs, key=footprint)]
     if INTERPRETING:  # nothing to time: one config, the largest tiles (fewest interpreted programs)
         return [max(fits, key=lambda c: c.kwargs["BLOCK_M"] * c.kwargs["BLOCK_N"])]
     return fits
+
+
+class TunedKernel:
+    """A Triton kernel launched with the fastest of its candidate configs, per tuning key.
+
+    The first launch for a key times every config that fits the card, on the real arguments (each
+    kernel writes its outputs whole, with no atomics, so running it several times is harmless);
+    later launches go straight to the winner. triton.autotune does the same, but re-derives its
+    key from all ~30 arguments at every launch, which costs as much CPU time as the launch itself:
+    at the model's small shapes the GPU would wait on it."""
+
+    def __init__(self, kernel, configs, smem_rows):
+        self.kernel, self.configs, self.smem_rows = kernel, configs, smem_rows
+        self.best = {}
+
+    def __call__(self, grid, key, *args, **constexprs):
+        config = self.best.get(key)
+        if config is None:
+            config = self.best[key] = self.fastest_config(grid, args, constexprs)
+        self.kernel[grid](*args, **constexprs, **config.all_kwargs())
+
+    def fastest_config(self, grid, args, constexprs):
+        candidates = prune_configs(self.configs, args[0], self.smem_rows)
+        if len(candidates) == 1:
+            return candidates[0]
+
+        def median_ms(config):
+            try:
+                return triton.testing.do_bench(lambda: self.kernel[grid](*args, **constexprs, **config.all_kwargs()),
+                                               return_mode="median")
+            except triton.runtime.errors.OutOfResources:  # a register or shared-memory limit the estimate missed
+                return float("inf")
+        return min(candidates, key=median_ms)

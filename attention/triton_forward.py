@@ -9,13 +9,11 @@ m_i is a running max of base-2 logits. Causal programs visit key tiles in two st
 wholly below the diagonal with no mask, then the few that cross the diagonal or the end of
 the keys with one. Tiles wholly above the diagonal are never loaded.
 """
-from functools import partial
-
 import torch
 import triton
 import triton.language as tl
 
-from .triton_common import prune_configs, seq_bucket, set_tma_scratch_allocator
+from .triton_common import TunedKernel, set_tma_scratch_allocator, tuning_key
 
 LOG2_E = 1.4426950408889634
 LN_2 = tl.constexpr(0.6931471805599453)
@@ -93,15 +91,17 @@ def _fwd_key_tiles(acc, l_i, m_i, q_tile, K, V, stride_kn, stride_vn, start_n, e
     was accumulated by exp2(m_old - m_new) and add this tile's share."""
     for tile_start in range(start_n, end_n, BLOCK_N):
         k_tile = _load_tile(K, tile_start, N_K, stride_kn, BLOCK_N, HEAD_DIM, USE_TMA)
-        s = tl.dot(q_tile, tl.trans(k_tile)) * qk_scale  # base-2 logits, (BLOCK_M, BLOCK_N)
+        s = tl.dot(q_tile, tl.trans(k_tile))  # raw scores, (BLOCK_M, BLOCK_N)
         if MASKED:  # this tile crosses the diagonal or runs past the last key
             cols = tile_start + tl.arange(0, BLOCK_N)
             visible = cols[None, :] < N_K
             if IS_CAUSAL:
                 visible = visible & (cols[None, :] <= rows[:, None])
             s = tl.where(visible, s, float("-inf"))
-        m_new = tl.maximum(m_i, tl.max(s, 1))
-        p = tl.exp2(s - m_new[:, None])
+        # The scale is applied where it is needed, not to the whole tile first: to the row max
+        # (BLOCK_M values) and inside exp2's argument, where scale * s - m is one fused multiply-add.
+        m_new = tl.maximum(m_i, tl.max(s, 1) * qk_scale)  # running max of base-2 logits
+        p = tl.exp2(s * qk_scale - m_new[:, None])
         alpha = tl.exp2(m_i - m_new)  # how much the old maximum overstated the new one
         l_i = l_i * alpha + tl.sum(p, 1)
         v_tile = _load_tile(V, tile_start, N_K, stride_vn, BLOCK_N, HEAD_DIM, USE_TMA)
@@ -114,7 +114,7 @@ def _fwd_key_tiles(acc, l_i, m_i, q_tile, K, V, stride_kn, stride_vn, start_n, e
 def _attn_fwd(Q, K, V, O, L,
               stride_qb, stride_qh, stride_qn, stride_kb, stride_kh, stride_kn,
               stride_vb, stride_vh, stride_vn, stride_ob, stride_oh, stride_on,
-              H, N_Q, N_K, qk_scale, N_Q_BUCKET, N_K_BUCKET,
+              H, N_Q, N_K, qk_scale,
               IS_CAUSAL: tl.constexpr, HEAD_DIM: tl.constexpr,
               BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr, USE_TMA: tl.constexpr):
     start_m = _query_tile_start(IS_CAUSAL, BLOCK_M)
@@ -158,26 +158,28 @@ FORWARD_CONFIGS = [
     ]
 ]
 
-_attn_fwd_tuned = triton.autotune(FORWARD_CONFIGS, key=["N_Q_BUCKET", "N_K_BUCKET", "HEAD_DIM", "IS_CAUSAL"],
-                                  prune_configs_by={"early_config_prune": partial(prune_configs, tiles=forward_smem_rows)})(_attn_fwd)
+_attn_fwd_tuned = TunedKernel(_attn_fwd, FORWARD_CONFIGS, forward_smem_rows)
 
 
 def flash_forward(q, k, v, is_causal, config=None):
     """q, k, v: (B, H, N, D) descriptor-ready views. Returns O (B, H, N_q, D) in q's dtype
-    and L (B, H, N_q) float32. config: a triton.Config to bypass the autotuner (tests, bench)."""
+    and L (B, H, N_q) float32. config: a triton.Config to bypass the tuning (tests, bench)."""
     B, H, N_Q, D = q.shape
     N_K = k.shape[2]
-    o = torch.empty_like(q, memory_format=torch.contiguous_format)
+    # O in q's memory order: for the model's q, a view of (B, N, 3, H, D), that is (B, N, H, D),
+    # so the transpose back to (B, N, H * D) after attention costs no copy.
+    o = torch.empty_like(q)
     lse = torch.empty((B, H, N_Q), dtype=torch.float32, device=q.device)
     if N_K == 0:  # no key to attend to (TMA cannot describe an empty matrix): O = 0, L = -inf
         return o.zero_(), lse.fill_(float("-inf"))
     if o.numel() == 0:
         return o, lse
     args = (q, k, v, o, lse, *q.stride()[:3], *k.stride()[:3], *v.stride()[:3], *o.stride()[:3],
-            H, N_Q, N_K, D ** -0.5 * LOG2_E, seq_bucket(N_Q), seq_bucket(N_K))
-    kernel = _attn_fwd_tuned if config is None else _attn_fwd
-    extra = {} if config is None else config.all_kwargs()
+            H, N_Q, N_K, D ** -0.5 * LOG2_E)
     grid = lambda meta: (triton.cdiv(N_Q, meta["BLOCK_M"]), B * H)
     set_tma_scratch_allocator()
-    kernel[grid](*args, IS_CAUSAL=is_causal, HEAD_DIM=D, **extra)
+    if config is None:
+        _attn_fwd_tuned(grid, tuning_key(q, k, is_causal), *args, IS_CAUSAL=is_causal, HEAD_DIM=D)
+    else:
+        _attn_fwd[grid](*args, IS_CAUSAL=is_causal, HEAD_DIM=D, **config.all_kwargs())
     return o, lse

@@ -212,7 +212,7 @@ def test_gpu_backends_long_and_low_precision(backend, shape_q, n_k, is_causal, d
 
 def _enabled(configs, smem_rows, q):
     """The configs the autotuner may pick for q on this card."""
-    return prune_configs(configs, {"Q": q}, tiles=smem_rows, HEAD_DIM=q.shape[-1])
+    return prune_configs(configs, q, smem_rows)
 
 
 @gpu
