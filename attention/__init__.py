@@ -39,11 +39,13 @@ __all__ = ["BACKENDS", "attention", "eager_attention", "eager_attention_with_lse
 
 BACKENDS = ("eager", "tiled", "triton", "triton_fwd", "sdpa")
 
+# torch.compile cannot trace Triton's launcher (and must not re-compile our kernels): inside a
+# compiled model the Triton backends run as they are, between the compiled graphs.
 _BACKEND_FUNCTIONS = {
     "eager": eager_attention,
     "tiled": FlashAttentionPytorch.apply,
-    "triton": FlashAttentionTriton.apply,
-    "triton_fwd": FlashAttentionTritonFwd.apply,
+    "triton": torch.compiler.disable(FlashAttentionTriton.apply),
+    "triton_fwd": torch.compiler.disable(FlashAttentionTritonFwd.apply),
     "sdpa": sdpa_attention,
 }
 

@@ -51,6 +51,23 @@ def test_eager_and_sdpa_give_the_same_logits_and_gradients():
         torch.testing.assert_close(sdpa_grads[name], eager_grads[name], rtol=1e-9, atol=1e-12, msg=name)
 
 
+@pytest.mark.parametrize("attn", ["triton", "triton_fwd"])
+def test_a_compiled_model_runs_the_triton_backends_as_they_are(attn):
+    """torch.compile cannot trace Triton's launcher: it must leave these backends to run
+    uncompiled between its graphs, with the same loss and gradients as the plain model."""
+    idx = random_tokens(length=12) % 100
+    results = []
+    for compiled in (False, True):
+        gpt = small_gpt(attn, vocab_size=100, n_embd=64)
+        _, loss = (torch.compile(gpt) if compiled else gpt)(idx, targets=idx)
+        loss.backward()
+        results.append((loss.detach(), gpt.transformer.h[0].attn.c_attn.weight.grad))
+    (loss, grad), (loss_compiled, grad_compiled) = results
+    torch.testing.assert_close(loss_compiled, loss, rtol=1e-5, atol=1e-5)
+    torch.testing.assert_close(grad_compiled, grad, rtol=1e-4, atol=1e-5)
+    assert grad.abs().sum() > 0
+
+
 def test_attention_gets_strided_views_of_the_fused_projection(monkeypatch):
     seen = []
     real_attention = model_module.attention
