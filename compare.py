@@ -18,7 +18,8 @@ is passed on, and runs log every iteration unless --log_interval says otherwise.
                            memory, and how far each loss curve strays from eager's
   sweep/T<n>/<backend>/    with --sweep_block_size, the runs at each context length n ...
   sweep.png, sweep.md      ... and their median step time, tokens/s and peak memory, with
-                           the runs that ran out of memory marked
+                           the runs that ran out of memory marked; shortest context first,
+                           rewritten after every run, so a sweep cut short keeps its results
 
 The sweep keeps the tokens per micro-batch of the config (batch_size x block_size): at each
 context length n, batch_size = that / n (at least 1). A backend that runs out of memory at
@@ -335,15 +336,14 @@ def sweep_batch_size(train_config, block_size):
     return max(1, train_config.batch_size * train_config.block_size // block_size)
 
 
-def run_sweep(backends, sizes, out, passed_on, train_config):
+def run_sweep(backends, sizes, out, passed_on, train_config, command):
     """{backend: {block_size: Run or None}}: None where not run, the backend having run out
-    of memory at a shorter context."""
-    results = {}
-    for backend in backends:
-        results[backend] = {}
-        ran_out = False
-        for block_size in sizes:
-            if ran_out:
+    of memory at a shorter context. Shortest contexts first, every backend at each, and the
+    tables are rewritten after every run: a sweep cut short still leaves what it measured."""
+    results = {backend: {} for backend in backends}
+    for block_size in sizes:
+        for backend in backends:
+            if any(run is None or run.out_of_memory for run in results[backend].values()):
                 results[backend][block_size] = None
                 continue
             batch_size = sweep_batch_size(train_config, block_size)
@@ -356,11 +356,14 @@ def run_sweep(backends, sizes, out, passed_on, train_config):
             if os.path.exists(os.path.join(out_dir, "ckpt.pt")):
                 os.remove(os.path.join(out_dir, "ckpt.pt"))
             results[backend][block_size] = run
-            ran_out = run.out_of_memory
+            write_sweep(results, sizes, out, command, train_config)
     return results
 
 
-def sweep_cell(run, value):
+def sweep_cell(by_size, size, value):
+    if size not in by_size:
+        return "–"
+    run = by_size[size]
     if run is None:
         return "not run"
     if run.out_of_memory:
@@ -382,7 +385,7 @@ def write_sweep(results, sizes, out, command, train_config):
         ("tokens/s (median)", lambda run: fmt(median_of(run, "tokens_per_s"), ",.0f")),
         ("peak GPU memory (MB)", lambda run: fmt(peak_memory(run), ",.0f")),
     ]:
-        rows = [f"| {backend} | " + " | ".join(sweep_cell(by_size[size], value) for size in sizes) + " |"
+        rows = [f"| {backend} | " + " | ".join(sweep_cell(by_size, size, value) for size in sizes) + " |"
                 for backend, by_size in results.items()]
         tables.append(f"## {title}\n\n{header}\n" + "\n".join(rows))
     text = f"""# Step time and memory vs context length
@@ -393,7 +396,7 @@ def write_sweep(results, sizes, out, command, train_config):
 
 Each context length T keeps the config's {tokens:,} tokens per micro-batch: batch_size = {tokens:,} / T
 (at least 1), so {batch_sizes}. **OOM**: train.py ran out of memory; "not run": it had already run out at a shorter
-context. Steady state as in compare.md: after each run's warm-up steps.
+context; "–": the sweep has not reached it (yet). Steady state as in compare.md: after each run's warm-up steps.
 
 """ + "\n\n".join(tables) + "\n"
     with open(os.path.join(out, "sweep.md"), "w") as f:
@@ -447,8 +450,7 @@ def main(argv=None):
         if config.from_runs:
             write_comparison(runs_from_dirs(split_list(config.from_runs)), config.out, command)
         elif sizes:
-            results = run_sweep(backends, sizes, config.out, passed_on, train_config)
-            write_sweep(results, sizes, config.out, command, train_config)
+            run_sweep(backends, sizes, config.out, passed_on, train_config, command)
         else:
             runs = [train(backend, os.path.join(config.out, "runs", backend),
                           ["--log_interval=1", *passed_on, f"--attn={backend}"], train_config.max_iters)

@@ -91,6 +91,9 @@ def test_sweep_marks_out_of_memory_and_skips_longer_contexts(data_dir, tmp_path)
     log = (tmp_path / "sweep" / "T32" / "eager" / "train.log").read_text()
     assert "error: out of memory with attn=eager, block_size=32, batch_size=16" in log and "Traceback" not in log
     assert not (tmp_path / "sweep" / "T64" / "eager").exists()
+    # Shortest context first, every backend at each: sdpa at T=16 ran before eager at T=32.
+    finished = lambda t, backend: (tmp_path / "sweep" / t / backend / "train.log").stat().st_mtime
+    assert finished("T16", "sdpa") <= finished("T32", "eager")
     assert not list(Path(tmp_path).rglob("ckpt.pt"))  # the sweep keeps numbers, not checkpoints
 
 
