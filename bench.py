@@ -4,6 +4,7 @@
     python bench.py --quick          # a few shapes of each grid
     python bench.py --configs        # time every candidate tile config of each Triton kernel
     python bench.py --ladder         # the forward, one optimisation at a time (docs/optimisation.md)
+    python bench.py --launch         # CPU time to issue vs GPU time to run, at the model's shape
 
 Times forward, backward and forward+backward with triton.testing.do_bench (median of
 repeated runs after warm-up, on fresh random inputs per shape). q, k, v are strided views of
@@ -15,6 +16,7 @@ import argparse
 import json
 import os
 import platform
+import statistics
 import time
 from concurrent.futures import ProcessPoolExecutor
 from multiprocessing import get_context
@@ -23,7 +25,7 @@ import torch
 import torch.nn.functional as F
 from torch.nn.attention import SDPBackend, sdpa_kernel
 
-from attention import attention
+from attention import BACKENDS, attention
 from attention.triton_backward import DKDV_CONFIGS, DQ_CONFIGS, dkdv_smem_rows, dq_smem_rows, flash_backward
 from attention.triton_common import shared_memory_bytes, shared_memory_limit
 from attention.triton_forward import FORWARD_CONFIGS, flash_forward, forward_smem_rows
@@ -258,6 +260,55 @@ def optimisation_ladder(out):
         print(f"{r['step']:<55} {r['ms']:8.3f} ms {r['tflops']:7.1f} TFLOP/s")
 
 
+# ------------------------------------------------------------------ launch overhead
+
+MODEL_SHAPE = dict(B=32, H=6, N=256, D=64, causal=True, dtype="bfloat16")  # configs/shakespeare.py's attention
+SLEEP_CYCLES = 10 ** 9  # about half a second of GPU clock: longer than queuing the timed calls takes
+
+
+def launch_overhead(out):
+    """Each training backend's forward+backward at the model's shape: the CPU time to issue it
+    and the GPU time to run it. Where issuing takes longer, the GPU waits on Python, and a faster
+    kernel cannot make training faster (docs/benchmarks.md, training section)."""
+    rows = []
+    for name in BACKENDS:
+        qkv, q, k, v = make_inputs(MODEL_SHAPE, requires_grad=True)
+        do = torch.randn(q.shape, device=q.device, dtype=q.dtype)
+        step = lambda: torch.autograd.grad(run_provider(name, q, k, v, MODEL_SHAPE["causal"]), qkv, do)
+        for _ in range(10):  # compile, tune, warm the allocator
+            step()
+        issue_s = []
+        for _ in range(50):
+            torch.cuda.synchronize()  # an idle GPU: issuing never waits for room in the launch queue
+            start = time.perf_counter()
+            step()
+            issue_s.append(time.perf_counter() - start)
+        # GPU time alone: a sleep kernel holds the GPU while the calls queue up behind it; the
+        # events around them then time the GPU's work back to back, without Python's gaps.
+        calls = 20
+        torch.cuda.synchronize()
+        torch.cuda._sleep(SLEEP_CYCLES)
+        begin, end = torch.cuda.Event(enable_timing=True), torch.cuda.Event(enable_timing=True)
+        begin.record()
+        for _ in range(calls):
+            step()
+        end.record()
+        gpu_idled = begin.query()  # the sleep ended before the last call was queued: gaps were timed too
+        torch.cuda.synchronize()
+        rows.append(dict(backend=name, issue_us=1e6 * statistics.median(issue_s),
+                         gpu_us=1e3 * begin.elapsed_time(end) / calls, gpu_idled=gpu_idled))
+    shape = ", ".join(f"{key}={value}" for key, value in MODEL_SHAPE.items())
+    lines = [f"Forward+backward at the model's attention shape ({shape}), strided q, k, v views.", "",
+             "| backend | CPU time to issue (us) | GPU time to run (us) |", "|---|---|---|"]
+    lines += [f"| {r['backend']} | {r['issue_us']:.0f} | {r['gpu_us']:.0f}{' (GPU idled: an upper bound)' if r['gpu_idled'] else ''} |"
+              for r in rows]
+    with open(os.path.join(out, "launch.json"), "w") as f:
+        json.dump(dict(env=environment(), shape=MODEL_SHAPE, results=rows), f, indent=1)
+    with open(os.path.join(out, "launch.md"), "w") as f:
+        f.write("\n".join(lines) + "\n")
+    print("\n".join(lines))
+
+
 def _run_config(job, warm_only):
     """Run once (warm_only=1: compiles it) or time one kernel config on the paper-grid shape
     N=4096, bf16. None if it does not fit the card."""
@@ -294,6 +345,7 @@ def main():
     parser.add_argument("--rep_ms", type=int, default=100, help="do_bench's timing window per measurement")
     parser.add_argument("--configs", action="store_true", help="sweep the Triton kernels' tile configs instead")
     parser.add_argument("--ladder", action="store_true", help="docs/optimisation.md's forward ladder instead")
+    parser.add_argument("--launch", action="store_true", help="CPU issue time vs GPU run time at the model's shape instead")
     args = parser.parse_args()
     if not torch.cuda.is_available():
         raise SystemExit("bench.py needs a CUDA GPU")
@@ -306,6 +358,8 @@ def main():
         return sweep_configs(args.out)
     if args.ladder:
         return optimisation_ladder(args.out)
+    if args.launch:
+        return launch_overhead(args.out)
 
     env = environment()
     print(" ".join(f"{k}={v}" for k, v in env.items()))
