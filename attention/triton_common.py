@@ -1,5 +1,6 @@
-"""What the Triton kernels share: layout checks, the interpreter warning, tile-config limits.
-(Whether the kernels are compiled or interpreted is decided in attention/__init__.py.)"""
+"""What the Triton kernels share: layout checks, the interpreter warning, tile-config limits
+and the tuning that picks a config per shape. (Whether the kernels are compiled or
+interpreted is decided in attention/__init__.py.)"""
 import os
 import warnings
 
@@ -128,6 +129,6 @@ class TunedKernel:
             try:
                 return triton.testing.do_bench(lambda: self.kernel[grid](*args, **constexprs, **config.all_kwargs()),
                                                return_mode="median")
-            except triton.runtime.errors.OutOfResources:  # a register or shared-memory limit the estimate missed
-                return float("inf")
+            except (triton.runtime.errors.OutOfResources, triton.runtime.errors.PTXASError):
+                return float("inf")  # a limit of this card the shared-memory estimate missed: skip the config
         return min(candidates, key=median_ms)
