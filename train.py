@@ -192,9 +192,10 @@ def train_step(model, optimizer, scaler, batches, sampler, config, amp, device, 
     return mean_loss
 
 
-def start_wandb(config, run_config):
+def start_wandb(config, run_config, run_id):
     """A wandb run for this training run, or None when wandb cannot be imported: then a
-    one-line warning, and training goes on with the local metrics."""
+    one-line warning, and training goes on with the local metrics. run_id: the wandb run a
+    resumed training run continues (saved in its checkpoint), or None for a new one."""
     try:
         import wandb
     except ImportError:
@@ -204,7 +205,7 @@ def start_wandb(config, run_config):
     # dir=out_dir puts the run folder (out_dir/wandb/) beside the run's other files; with
     # WANDB_MODE=offline it stays there until `wandb sync` uploads it.
     return wandb.init(project=config.wandb_project, name=config.wandb_run_name, config=run_config,
-                      dir=config.out_dir)
+                      dir=config.out_dir, id=run_id, resume="allow" if run_id else None)
 
 
 def run(config, world):
@@ -236,7 +237,7 @@ def run(config, world):
     # fp16 gradients underflow without loss scaling; bf16 and fp32 have the range to go without.
     scaler = torch.amp.GradScaler(device.type, enabled=dtype == torch.float16)
     sampler = torch.Generator().manual_seed(seed)
-    it, best_val_loss, last_saved_iter = 0, math.inf, None
+    it, best_val_loss, last_saved_iter, wandb_run_id = 0, math.inf, None, None
 
     if config.init_from == "resume":
         # Loaded to the CPU: RNG states must stay CPU tensors, and load_state_dict moves
@@ -258,6 +259,7 @@ def run(config, world):
             if len(saved_rng) != world.size:
                 print(f"the checkpoint was saved by {len(saved_rng)} processes and this run has {world.size}: "
                       "the batches from here on differ from those of an uninterrupted run")
+        wandb_run_id = ckpt.get("wandb_run_id")  # checkpoints from before wandb resumed have none
         del ckpt
 
     raw_model = model
@@ -280,7 +282,7 @@ def run(config, world):
         processes = f" over {world.size} processes" if world.distributed else ""
         print(f"{raw_model.num_params() / 1e6:.2f}M parameters, attn={config.attn}, device={device}, "
               f"dtype={run_config['dtype']}, {tokens_per_iter:,} tokens per iteration{processes}")
-    wandb_run = start_wandb(config, run_config) if config.wandb_log and world.is_main else None
+    wandb_run = start_wandb(config, run_config, wandb_run_id) if config.wandb_log and world.is_main else None
 
     def log(record):
         append_metrics(config.out_dir, record)
@@ -298,6 +300,7 @@ def run(config, world):
             "iter": it,
             "best_val_loss": best_val_loss,
             "rng": rng,
+            "wandb_run_id": wandb_run.id if wandb_run is not None else None,
         }, config.out_dir)
         last_saved_iter = it
 

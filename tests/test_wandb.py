@@ -62,6 +62,26 @@ def test_offline_wandb_run_folder_holds_the_config_and_every_logged_key(tiny_arg
             {key: value for key, value in record.items() if key != "iter"}
 
 
+def test_a_resumed_run_continues_its_wandb_run(tiny_args, tmp_path):
+    """The checkpoint keeps the wandb run's id, and --init_from=resume logs to the same run
+    (offline: a second run folder with the same id, which `wandb sync` uploads into that run)."""
+    env = dict(os.environ, WANDB_MODE="offline", WANDB_CONFIG_DIR=str(tmp_path / "wandb-config"),
+               WANDB_CACHE_DIR=str(tmp_path / "wandb-cache"), WANDB_DATA_DIR=str(tmp_path / "wandb-data"))
+    common = [*tiny_args, "--eval_interval=2", "--log_interval=1", "--attn=sdpa", "--wandb_log=True"]
+    first = run_script("train.py", *common, "--max_iters=2", env=env)
+    assert first.returncode == 0, first.stderr
+    resumed = run_script("train.py", *common, "--max_iters=4", "--init_from=resume", env=env)
+    assert resumed.returncode == 0, resumed.stderr
+    folders = sorted((tmp_path / "out" / "wandb").glob("offline-run-*"))
+    assert len(folders) == 2
+    run_ids = {folder.name.rsplit("-", 1)[1] for folder in folders}
+    assert len(run_ids) == 1, folders
+    steps = {json.loads(item.value_json) for record in wandb_records(next(folders[1].glob("run-*.wandb")))
+             if record.WhichOneof("record_type") == "history"
+             for item in record.history.item if ("/".join(item.nested_key) or item.key) == "_step"}
+    assert steps == {3, 4}  # the resumed run logs where the first one stopped
+
+
 def test_without_wandb_training_goes_on_with_local_metrics(tiny_args, tmp_path):
     env = dict(os.environ, PYTHONPATH=os.pathsep.join([str(NO_WANDB), os.environ.get("PYTHONPATH", "")]))
     result = run_script("train.py", *tiny_args, "--max_iters=4", "--eval_interval=4", "--log_interval=2",
