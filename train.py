@@ -315,13 +315,16 @@ def run(config, world):
         and saves while the others wait at the next iteration."""
         nonlocal best_val_loss
         rng = world.gather(rng_states(sampler, device))
+        losses = estimate_loss(model, batches, config, amp) if world.is_main else {}
+        if losses:
+            print(f"iter {it}: train loss {losses['train']:.4f}, val loss {losses['val']:.4f}")
+        non_finite = [split for split, loss in losses.items() if not math.isfinite(loss)]
+        if world.max(len(non_finite)):  # all processes stop together, with rank 0's message
+            if not world.is_main:
+                raise TrainingError(f"rank 0's evaluation at iter {it} was not finite")
+            stop_for_non_finite(f"{non_finite[0]} loss", losses[non_finite[0]], it)
         if not world.is_main:
             return
-        losses = estimate_loss(model, batches, config, amp)
-        print(f"iter {it}: train loss {losses['train']:.4f}, val loss {losses['val']:.4f}")
-        for split in ("train", "val"):
-            if not math.isfinite(losses[split]):
-                stop_for_non_finite(f"{split} loss", losses[split], it)
         log({"iter": it, "train_loss": losses["train"], "val_loss": losses["val"]})
         improved = losses["val"] < best_val_loss
         best_val_loss = min(best_val_loss, losses["val"])

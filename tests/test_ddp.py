@@ -97,6 +97,22 @@ def test_non_finite_loss_stops_every_process_with_one_message(ddp_args, tmp_path
     assert not (tmp_path / "ckpt.pt").exists()
 
 
+def test_non_finite_evaluation_stops_every_process_with_one_message(ddp_args, tmp_path):
+    """Rank 0 alone evaluates. The first update at this learning rate ruins the weights, so the
+    evaluation right after it is not finite while that step's training loss was: every
+    process must stop there, cleanly, rather than wait for rank 0 or crash."""
+    result = torchrun([*ddp_args, f"--out_dir={tmp_path}", "--learning_rate=1e30", "--min_lr=1e30",
+                       "--eval_interval=1"])
+    assert result.returncode != 0
+    messages = re.findall(r"error: (?:train|val) loss is (?:nan|inf|-inf) at iter 1\b", result.stderr)
+    assert len(messages) == 1, result.stderr
+    # Both processes exit 1 on their own (torchrun then reports the failure with a traceback
+    # of its own); neither dies of a broken collective.
+    assert not re.search(r"\[rank\d\]: Traceback", result.stderr), result.stderr
+    assert len(re.findall(r"exitcode\s*: 1 ", result.stderr)) == 2, result.stderr
+    assert not (tmp_path / "ckpt.pt").exists()
+
+
 def test_accumulation_steps_must_divide_among_the_processes():
     check_config(TrainConfig(gradient_accumulation_steps=4), world_size=2)
     with pytest.raises(ConfigError, match=r"gradient_accumulation_steps=3: expected a multiple of the 2 processes"):
