@@ -29,6 +29,7 @@ from attention import BACKENDS, attention
 from attention.triton_backward import DKDV_CONFIGS, DQ_CONFIGS, dkdv_smem_rows, dq_smem_rows, flash_backward
 from attention.triton_common import shared_memory_bytes, shared_memory_limit
 from attention.triton_forward import FORWARD_CONFIGS, flash_forward, forward_smem_rows
+from train_config import TrainConfig
 
 import triton  # noqa: E402, I001  (after attention, which decides whether Triton interprets)
 
@@ -262,7 +263,9 @@ def optimisation_ladder(out):
 
 # ------------------------------------------------------------------ launch overhead
 
-MODEL_SHAPE = dict(B=32, H=6, N=256, D=64, causal=True, dtype="bfloat16")  # configs/shakespeare.py's attention
+_MODEL = TrainConfig()  # train.py's defaults, which are configs/shakespeare.py
+MODEL_SHAPE = dict(B=_MODEL.batch_size, H=_MODEL.n_head, N=_MODEL.block_size, D=_MODEL.n_embd // _MODEL.n_head,
+                   causal=True, dtype="bfloat16")  # one attention call of that model's training step
 SLEEP_CYCLES = 10 ** 9  # about half a second of GPU clock: longer than queuing the timed calls takes
 
 
