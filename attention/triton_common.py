@@ -34,15 +34,18 @@ def as_4d(t):
 
 
 def descriptor_ready(t):
-    """t as a (B, H, N, D) view the kernels can build TMA descriptors on: a 16-byte aligned
-    base, 16-byte aligned batch/head/row strides and a non-zero row stride. The model's q, k, v
-    views always qualify; anything else (an odd slice, an expanded gradient) is copied once."""
+    """t as a (B, H, N, D) view the kernels can build TMA descriptors on (see tma_describable).
+    The model's q, k, v views always qualify; anything else (an odd slice, an expanded
+    gradient) is copied once."""
     t4 = as_4d(t)
-    elem = t4.element_size()
-    strides = t4.stride()[:3]
-    if t4.data_ptr() % 16 == 0 and all(s * elem % 16 == 0 for s in strides) and strides[2] > 0:
-        return t4
-    return t4.clone(memory_format=torch.contiguous_format)
+    return t4 if tma_describable(t4, row_dim=2) else t4.clone(memory_format=torch.contiguous_format)
+
+
+def tma_describable(t, row_dim):
+    """Whether TMA can describe t's matrices: a 16-byte aligned base, 16-byte aligned strides
+    (all but the last, which must be 1) and a non-zero stride between rows."""
+    elem = t.element_size()
+    return t.data_ptr() % 16 == 0 and all(s * elem % 16 == 0 for s in t.stride()[:-1]) and t.stride(row_dim) > 0
 
 
 def check_kernel_device(t):
@@ -62,8 +65,9 @@ def has_tma(device):
 def tuning_key(q, k, is_causal):
     """What changes a kernel's fastest config: the lengths (as power-of-two buckets, so a KV cache
     that grows by one token a step does not re-tune at every step), head dim, mask and dtype."""
-    return triton.next_power_of_2(max(q.shape[2], 16)), triton.next_power_of_2(max(k.shape[2], 16)), \
-        q.shape[3], is_causal, q.dtype
+    _, _, n_q, head_dim = q.shape
+    n_k = k.shape[2]
+    return 1 << max(n_q - 1, 15).bit_length(), 1 << max(n_k - 1, 15).bit_length(), head_dim, is_causal, q.dtype
 
 
 def shared_memory_limit(device):
@@ -105,20 +109,43 @@ class TunedKernel:
     """A Triton kernel launched with the fastest of its candidate configs, per tuning key.
 
     The first launch for a key times every config that fits the card, on the real arguments (each
-    kernel writes its outputs whole, with no atomics, so running it several times is harmless);
-    later launches go straight to the winner. triton.autotune does the same, but re-derives its
-    key from all ~30 arguments at every launch, which costs as much CPU time as the launch itself:
-    at the model's small shapes the GPU would wait on it."""
+    kernel writes its outputs whole, with no atomics, so running it several times is harmless).
+    triton.autotune does the same, but re-derives its key from all ~30 arguments at every launch.
+
+    Launching through kernel[grid](...) costs Triton's launcher about 50 us of CPU time on the
+    H200's host: it binds the ~30 arguments, re-derives what the kernel was specialised on and
+    looks the binary up. At the model's shapes the GPU would wait on that, so each launch's
+    compiled kernel is kept and later launches with the same tuning key, grid and scalar
+    arguments call it directly (about 16 us). That is safe because everything Triton specialises
+    a binary on is in that key or checked: the scalars include every int argument (strides,
+    heads, lengths), the tensors' dtype is the tuning key's, and their 16-byte alignment is
+    checked at each launch. (The interpreter returns no compiled kernel: every launch takes the
+    long way.)"""
 
     def __init__(self, kernel, configs, smem_rows):
         self.kernel, self.configs, self.smem_rows = kernel, configs, smem_rows
-        self.best = {}
+        self.best = {}  # tuning key -> config
+        self.compiled = {}  # (tuning key, device, grid, scalar args) -> (launch, trailing constexpr args)
 
     def __call__(self, grid, key, *args, **constexprs):
+        """args: the kernel's tensors, then its scalars; constexprs: the rest but the config's."""
         config = self.best.get(key)
         if config is None:
             config = self.best[key] = self.fastest_config(grid, args, constexprs)
-        self.kernel[grid](*args, **constexprs, **config.all_kwargs())
+        num_tensors = next(i for i, a in enumerate(args) if not isinstance(a, torch.Tensor))
+        grid_size = grid(config.kwargs)
+        launch_key = (key, args[0].get_device(), grid_size, args[num_tensors:], *constexprs.values())
+        aligned = all(t.data_ptr() % 16 == 0 for t in args[:num_tensors])
+        compiled = self.compiled.get(launch_key)
+        if compiled is not None and aligned:
+            launch, constexpr_args = compiled
+            launch(*args, *constexpr_args)
+            return
+        kernel = self.kernel[grid](*args, **constexprs, **config.all_kwargs())
+        if kernel is not None and aligned:
+            values = {**constexprs, **config.kwargs}
+            constexpr_args = tuple(values[name] for name in self.kernel.arg_names[len(args):])
+            self.compiled[launch_key] = kernel[(*grid_size, 1, 1)[:3]], constexpr_args
 
     def fastest_config(self, grid, args, constexprs):
         candidates = prune_configs(self.configs, args[0], self.smem_rows)
