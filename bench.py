@@ -25,7 +25,7 @@ import torch
 import torch.nn.functional as F
 from torch.nn.attention import SDPBackend, sdpa_kernel
 
-from attention import BACKENDS, attention
+from attention import BACKENDS, attention, packed_attention
 from attention.triton_backward import DKDV_CONFIGS, DQ_CONFIGS, dkdv_smem_rows, dq_smem_rows, flash_backward
 from attention.triton_common import shared_memory_bytes, shared_memory_limit
 from attention.triton_forward import FORWARD_CONFIGS, flash_forward, forward_smem_rows
@@ -270,14 +270,15 @@ SLEEP_CYCLES = 10 ** 9  # about half a second of GPU clock: longer than queuing 
 
 
 def launch_overhead(out):
-    """Each training backend's forward+backward at the model's shape: the CPU time to issue it
-    and the GPU time to run it. Where issuing takes longer, the GPU waits on Python, and a faster
-    kernel cannot make training faster (docs/benchmarks.md, training section)."""
+    """Each training backend's forward+backward at the model's shape, called as the model calls
+    it (packed_attention on the fused projection): the CPU time to issue it and the GPU time to
+    run it. Where issuing takes longer, the GPU waits on Python, and a faster kernel cannot make
+    training faster (docs/benchmarks.md, training section)."""
     rows = []
     for name in BACKENDS:
-        qkv, q, k, v = make_inputs(MODEL_SHAPE, requires_grad=True)
-        do = torch.randn(q.shape, device=q.device, dtype=q.dtype)
-        step = lambda: torch.autograd.grad(run_provider(name, q, k, v, MODEL_SHAPE["causal"]), qkv, do)
+        qkv, q, _, _ = make_inputs(MODEL_SHAPE, requires_grad=True)
+        do = torch.randn(q.transpose(1, 2).shape, device=q.device, dtype=q.dtype)
+        step = lambda: torch.autograd.grad(packed_attention(qkv, MODEL_SHAPE["causal"], name), qkv, do)
         for _ in range(10):  # compile, tune, warm the allocator
             step()
         issue_s = []
@@ -301,7 +302,7 @@ def launch_overhead(out):
         rows.append(dict(backend=name, issue_us=1e6 * statistics.median(issue_s),
                          gpu_us=1e3 * begin.elapsed_time(end) / calls, gpu_idled=gpu_idled))
     shape = ", ".join(f"{key}={value}" for key, value in MODEL_SHAPE.items())
-    lines = [f"Forward+backward at the model's attention shape ({shape}), strided q, k, v views.", "",
+    lines = [f"Forward+backward of packed_attention at the model's attention shape ({shape}).", "",
              "| backend | CPU time to issue (us) | GPU time to run (us) |", "|---|---|---|"]
     lines += [f"| {r['backend']} | {r['issue_us']:.0f} | {r['gpu_us']:.0f}{' (GPU idled: an upper bound)' if r['gpu_idled'] else ''} |"
               for r in rows]

@@ -2,8 +2,9 @@
 
 Pre-LayerNorm transformer blocks, a GELU MLP, learned position embeddings and an output
 layer tied to the token embedding, initialised as GPT-2 was. The only departure from a
-textbook GPT is that CausalSelfAttention hands q, k and v to `attention.attention`, so the
-same model trains with the eager reference, PyTorch's sdpa, or this repo's own kernels.
+textbook GPT is that CausalSelfAttention hands its fused q, k, v projection to
+`attention.packed_attention` (q, k and v to `attention.attention` when it keeps a KV cache), so
+the same model trains with the eager reference, PyTorch's sdpa, or this repo's own kernels.
 
 Generation can keep a KVCache: every layer's keys and values of the tokens fed so far, so
 each step feeds only the newest token. Causal convention: the attention package masks
@@ -20,7 +21,7 @@ import torch
 import torch.nn as nn
 import torch.nn.functional as F
 
-from attention import BACKENDS, attention
+from attention import BACKENDS, attention, packed_attention
 
 
 @dataclass
@@ -79,23 +80,28 @@ class CausalSelfAttention(nn.Module):
     def forward(self, x, cache=None):
         B, T, C = x.shape
         head_dim = C // self.n_head
-        # q, k, v are strided (B, H, T, D) views into the fused projection, not copies: the
-        # backends are expected to cope with that layout (last dim contiguous).
-        q, k, v = self.c_attn(x).view(B, T, 3, self.n_head, head_dim).unbind(dim=2)
-        q, k, v = q.transpose(1, 2), k.transpose(1, 2), v.transpose(1, 2)
-        if cache is None or cache.length == 0:
-            # Queries and keys are the same T tokens (training, or a prefill): top-left causal.
-            # A prefill attends over its own k, v rather than the cache's copies, so its logits
-            # are exactly those of the same tokens fed without a cache.
-            if cache is not None:
-                cache.append(k, v)
-            y = attention(q, k, v, is_causal=True, backend=self.attn_backend)
+        qkv = self.c_attn(x).view(B, T, 3, self.n_head, head_dim)
+        if cache is None:
+            # Training: the fused projection goes to attention whole (q, k, v = qkv.unbind(2)),
+            # which spares the triton backend six autograd nodes a layer (attention/__init__.py).
+            y = packed_attention(qkv, is_causal=True, backend=self.attn_backend)
         else:
-            # One new token (GPT.forward allows no more) against every cached key: all are in
-            # its past, so nothing is masked.
-            k, v = cache.append(k, v)
-            y = attention(q, k, v, is_causal=False, backend=self.attn_backend)
-        y = y.transpose(1, 2).contiguous().view(B, T, C)
+            # q, k, v are strided (B, H, T, D) views into the fused projection, not copies: the
+            # backends are expected to cope with that layout (last dim contiguous).
+            q, k, v = (t.transpose(1, 2) for t in qkv.unbind(dim=2))
+            if cache.length == 0:
+                # A prefill: queries and keys are the same T tokens, top-left causal. It attends
+                # over its own k, v rather than the cache's copies, so its logits are exactly
+                # those of the same tokens fed without a cache.
+                cache.append(k, v)
+                y = attention(q, k, v, is_causal=True, backend=self.attn_backend)
+            else:
+                # One new token (GPT.forward allows no more) against every cached key: all are
+                # in its past, so nothing is masked.
+                k, v = cache.append(k, v)
+                y = attention(q, k, v, is_causal=False, backend=self.attn_backend)
+            y = y.transpose(1, 2)
+        y = y.reshape(B, T, C)  # (B, T, H, D) -> (B, T, H * D): free when y is contiguous
         return self.resid_dropout(self.c_proj(y))
 
 

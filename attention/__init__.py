@@ -1,11 +1,16 @@
 """nanoFA2's attention library: one function, several backends.
 
-    from attention import attention
+    from attention import attention, packed_attention
     o = attention(q, k, v, is_causal=True, backend="triton")
+    y = packed_attention(qkv, is_causal=True, backend="triton")  # qkv: (B, N, 3, H, D)
 
 q is (..., N_q, D), k and v are (..., N_k, D) with the same leading dims; the result has
 q's shape and dtype. Scale 1/sqrt(D). Causal is top-left: key j is visible to query i when
 j <= i (see eager.py). This package needs only torch, triton and einops.
+
+packed_attention takes the fused projection a GPT makes, qkv of shape (B, N, 3, H, D), and
+returns (B, N, H, D): the same attention, but the triton backend then reads q, k and v out of
+qkv in place and hands autograd one node instead of six (see flash_triton.py).
 
 Backends:
   eager       materialised softmax; the reference the others are tested against
@@ -29,13 +34,14 @@ if not torch.cuda.is_available() and "TRITON_INTERPRET" not in os.environ:
     os.environ["TRITON_INTERPRET"] = "1"
 
 from .eager import eager_attention, eager_attention_with_lse  # noqa: E402
-from .flash_triton import FlashAttentionTriton, FlashAttentionTritonFwd  # noqa: E402
-from .inputs import check_inputs  # noqa: E402
+from .flash_triton import FlashAttentionTriton, FlashAttentionTritonFwd, FlashAttentionTritonPacked  # noqa: E402
+from .inputs import check_inputs, check_packed_inputs  # noqa: E402
 from .sdpa import sdpa_attention  # noqa: E402
 from .tiled import FlashAttentionPytorch  # noqa: E402
 
-__all__ = ["BACKENDS", "attention", "eager_attention", "eager_attention_with_lse", "sdpa_attention",
-           "FlashAttentionPytorch", "FlashAttentionTriton", "FlashAttentionTritonFwd"]
+__all__ = ["BACKENDS", "attention", "packed_attention", "eager_attention", "eager_attention_with_lse", "sdpa_attention",
+           "FlashAttentionPytorch", "FlashAttentionTriton", "FlashAttentionTritonFwd",
+           "FlashAttentionTritonPacked"]
 
 BACKENDS = ("eager", "tiled", "triton", "triton_fwd", "sdpa")
 
@@ -48,6 +54,7 @@ _BACKEND_FUNCTIONS = {
     "triton_fwd": torch.compiler.disable(FlashAttentionTritonFwd.apply),
     "sdpa": sdpa_attention,
 }
+_PACKED_TRITON = torch.compiler.disable(FlashAttentionTritonPacked.apply)
 
 
 def attention(q, k, v, is_causal=False, backend="triton"):
@@ -55,3 +62,15 @@ def attention(q, k, v, is_causal=False, backend="triton"):
         raise ValueError(f"backend={backend!r} is not one of {BACKENDS}")
     check_inputs(q, k, v, is_causal)
     return _BACKEND_FUNCTIONS[backend](q, k, v, is_causal)
+
+
+def packed_attention(qkv, is_causal=False, backend="triton"):
+    """Attention over a fused projection qkv (B, N, 3, H, D), where q, k, v = qkv.unbind(2);
+    returns (B, N, H, D). The triton backend takes qkv whole; the others get (B, H, N, D) views."""
+    if backend not in BACKENDS:
+        raise ValueError(f"backend={backend!r} is not one of {BACKENDS}")
+    check_packed_inputs(qkv, is_causal)
+    if backend == "triton":
+        return _PACKED_TRITON(qkv, is_causal)
+    q, k, v = (t.transpose(1, 2) for t in qkv.unbind(dim=2))
+    return _BACKEND_FUNCTIONS[backend](q, k, v, is_causal).transpose(1, 2)

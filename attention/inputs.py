@@ -31,6 +31,18 @@ def check_inputs(q, k, v, is_causal):
         raise ValueError(f"v has N_k={v.shape[-2]} keys but k has N_k={k.shape[-2]}; they must match")
 
 
+def check_packed_inputs(qkv, is_causal):
+    """packed_attention's qkv: (B, N, 3, H, D), floating point."""
+    if not isinstance(qkv, torch.Tensor):
+        raise ValueError(f"qkv must be a torch.Tensor, got {type(qkv).__name__}")
+    if qkv.dim() != 5 or qkv.shape[2] != 3:
+        raise ValueError(f"qkv must have shape (B, N, 3, H, D) (q, k, v = qkv.unbind(2)), got shape {tuple(qkv.shape)}")
+    if not qkv.is_floating_point():
+        raise ValueError(f"qkv must be a floating-point tensor, got dtype {qkv.dtype}")
+    if not isinstance(is_causal, bool):
+        raise ValueError(f"is_causal must be a bool, got {is_causal!r}")
+
+
 def check_triton_inputs(q, k, v):
     """The Triton kernels' own limits, beyond check_inputs."""
     if q.dtype not in TRITON_DTYPES:

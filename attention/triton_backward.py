@@ -166,14 +166,15 @@ _bwd_dkdv_tuned = TunedKernel(_bwd_dkdv, DKDV_CONFIGS, dkdv_smem_rows)
 _bwd_dq_tuned = TunedKernel(_bwd_dq, DQ_CONFIGS, dq_smem_rows)
 
 
-def flash_backward(q, k, v, o, do, lse, is_causal, dkdv_config=None, dq_config=None):
+def flash_backward(q, k, v, o, do, lse, is_causal, out=None, dkdv_config=None, dq_config=None):
     """Gradients of O = attention(q, k, v) for (B, H, N, D) descriptor-ready q, k, v, o, do
-    and the forward's contiguous float32 L. Returns dq, dk, dv in the dtypes and memory order
-    of q, k, v (for the model's views of one fused projection, the order its gradient is
-    assembled in). dkdv_config / dq_config: triton.Configs to bypass the tuning (tests, bench.py)."""
+    and the forward's contiguous float32 L. Returns dq, dk, dv: written into out, descriptor-
+    ready views, when given; otherwise new tensors in the dtypes and memory order of q, k, v
+    (for the model's views of one fused projection, the order its gradient is assembled in).
+    dkdv_config / dq_config: triton.Configs to bypass the tuning (tests, bench.py)."""
     B, H, N_Q, D = q.shape
     N_K = k.shape[2]
-    dq, dk, dv = torch.empty_like(q), torch.empty_like(k), torch.empty_like(v)
+    dq, dk, dv = out if out is not None else (torch.empty_like(q), torch.empty_like(k), torch.empty_like(v))
     if B * H * N_Q * N_K == 0:  # no query or no key: every gradient is zero
         return dq.zero_(), dk.zero_(), dv.zero_()
     set_tma_scratch_allocator()

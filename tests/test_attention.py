@@ -12,11 +12,12 @@ use TF32 tensor cores (10-bit mantissa), so float32 is held to 1e-2 there.
 import pytest
 import torch
 
-from attention import BACKENDS, FlashAttentionPytorch, FlashAttentionTriton, FlashAttentionTritonFwd, attention
+from attention import (BACKENDS, FlashAttentionPytorch, FlashAttentionTriton, FlashAttentionTritonFwd,
+                       FlashAttentionTritonPacked, attention, packed_attention)
 from attention.eager import eager_attention_with_lse
 from attention.tiled import tiled_forward
 from attention.triton_backward import DKDV_CONFIGS, DQ_CONFIGS, dkdv_smem_rows, dq_smem_rows, flash_backward
-from attention.triton_common import descriptor_ready, prune_configs
+from attention.triton_common import TunedKernel, descriptor_ready, prune_configs
 from attention.triton_forward import FORWARD_CONFIGS, flash_forward, forward_smem_rows
 
 import triton  # noqa: E402, I001  (after attention, which decides whether Triton interprets)
@@ -101,6 +102,92 @@ def test_strided_views_from_fused_projection(backend):
     assert_close(o, o_ref, 1e-4, "O")
     dqkv_ref = torch.stack([g.transpose(1, 2) for g in (dq_ref, dk_ref, dv_ref)], dim=2)
     assert_close(leaf.grad, dqkv_ref, 1e-4, "d(qkv)")
+
+
+def check_packed(backend, qkv, is_causal, tol):
+    """packed_attention on qkv (B, N, 3, H, D) against the float64 reference on its views."""
+    y = packed_attention(qkv, is_causal=is_causal, backend=backend)
+    B, N, _, H, D = qkv.shape
+    assert y.shape == (B, N, H, D) and y.dtype == qkv.dtype
+    dy = torch.randn_like(y)
+    y.backward(dy)
+    q, k, v = (t.transpose(1, 2) for t in qkv.detach().unbind(2))
+    o_ref, _, dq_ref, dk_ref, dv_ref = reference(q, k, v, is_causal, dy.transpose(1, 2))
+    assert_close(y, o_ref.transpose(1, 2), tol, f"{backend} packed O")
+    assert_close(qkv.grad, torch.stack([g.transpose(1, 2) for g in (dq_ref, dk_ref, dv_ref)], dim=2), tol,
+                 f"{backend} packed d(qkv)")
+
+
+@pytest.mark.parametrize("is_causal", [False, True])
+@pytest.mark.parametrize("shape", [(2, 37, 3, 3, 32), (1, 1, 3, 1, 16), (3, 65, 3, 2, 64), (1, 17, 3, 1, 128)])
+@pytest.mark.parametrize("backend", BACKENDS)
+def test_packed_attention_matches_float64_reference(backend, shape, is_causal):
+    qkv = torch.randn(shape, generator=torch.Generator().manual_seed(sum(shape))).requires_grad_()
+    check_packed(backend, qkv, is_causal, TOLERANCE[torch.float32])
+
+
+@pytest.mark.parametrize("backend", BACKENDS)
+def test_packed_attention_takes_strided_and_misaligned_projections(backend):
+    """A qkv that is a view with gaps (the batch axis strided) and one whose rows start one
+    element off 16 bytes (the Triton backend copies that one once)."""
+    gapped = torch.randn(4, 21, 3, 2, 32)[::2].detach().requires_grad_()
+    misaligned = torch.randn(2, 21, 3, 2, 33)[..., 1:].detach().requires_grad_()
+    for qkv in (gapped, misaligned):
+        assert not qkv.is_contiguous()
+        check_packed(backend, qkv, True, TOLERANCE[torch.float32])
+
+
+def test_packed_triton_keeps_one_autograd_node_and_contiguous_tensors():
+    """The point of the packed entry: one node between qkv and the output (no unbind, no
+    transposes, no stack), the output (B, N, H, D) contiguous, qkv's gradient written whole."""
+    qkv = torch.randn(2, 37, 3, 3, 32, requires_grad=True)
+    y = packed_attention(qkv, is_causal=True, backend="triton")
+    assert y.is_contiguous()
+    node = y.grad_fn
+    assert node.name().startswith(FlashAttentionTritonPacked.__name__)
+    assert len(node.next_functions) == 1 and node.next_functions[0][0].variable is qkv
+    saved_qkv, saved_o, saved_l = node.saved_tensors
+    assert saved_qkv.data_ptr() == qkv.data_ptr() and saved_l.dtype == torch.float32
+    y.backward(torch.randn_like(y))
+    assert qkv.grad.is_contiguous()
+
+
+class FakeKernel:
+    """Stands in for a Triton kernel to check TunedKernel's launch cache: kernel[grid](...) records
+    a full launch and returns a stand-in compiled kernel, whose [grid](...) records a direct one."""
+    arg_names = ["X", "n", "BLOCK_M"]
+
+    def __init__(self):
+        self.launches = []
+
+    def __getitem__(self, grid):
+        def full_launch(*args, **kwargs):
+            self.launches.append("full")
+            return self.Compiled(self)
+        return full_launch
+
+    class Compiled:
+        def __init__(self, kernel):
+            self.kernel = kernel
+
+        def __getitem__(self, grid):
+            return lambda *args: self.kernel.launches.append(("direct", grid, args))
+
+
+def test_tuned_kernel_reuses_a_compiled_kernel_only_for_the_same_launch():
+    kernel = FakeKernel()
+    tuned = TunedKernel(kernel, [triton.Config({"BLOCK_M": 16, "BLOCK_N": 16, "USE_TMA": False})], lambda config: (0, 0))
+    x = torch.randn(64, 16)
+    grid = lambda meta: (64 // meta["BLOCK_M"], 1)
+    tuned(grid, "key", x, 64)                            # the first launch: full
+    tuned(grid, "key", torch.randn(64, 16), 64)          # the same launch on other data: direct
+    tuned(grid, "key", x, 32)                            # another scalar: full
+    tuned(lambda meta: (2, 1), "key", x, 64)             # another grid: full
+    tuned(grid, "key", torch.randn(1025)[1:].view(64, 16), 64)  # a tensor off 16-byte alignment: full
+    assert [launch if launch == "full" else launch[0] for launch in kernel.launches] == \
+        ["full", "direct", "full", "full", "full"]
+    _, grid_size, args = kernel.launches[1]
+    assert grid_size == (4, 1, 1) and args[1:] == (64, 16)  # the scalar, then the constexpr BLOCK_M
 
 
 @pytest.mark.parametrize("backend", ["triton", "triton_fwd"])
@@ -254,3 +341,23 @@ def test_gpu_every_tile_config_is_correct(head_dim, is_causal, dtype):
     for config in _enabled(DQ_CONFIGS, dq_smem_rows, q):
         dq, _, _ = flash_backward(q, k, v, o, do, lse, is_causal, **{**kwargs, "dq_config": config})
         assert_close(dq, dq_ref, tol, f"dQ with {config}")
+
+
+@gpu
+@pytest.mark.parametrize("dtype", [torch.bfloat16, torch.float16])
+def test_gpu_packed_attention_at_the_models_shape(dtype):
+    """The model's call (B=32, N=256, H=6, D=64) twice with new data: the second time the
+    kernels go through TunedKernel's direct launch."""
+    for seed in (0, 1):
+        qkv = torch.randn(32, 256, 3, 6, 64, generator=torch.Generator().manual_seed(seed))
+        check_packed("triton", qkv.to(device="cuda", dtype=dtype).requires_grad_(), True, GPU_TOLERANCE[dtype])
+
+
+@gpu
+def test_gpu_direct_launch_is_not_reused_for_another_grid():
+    """Contiguous q, k, v of another batch size have the same strides, lengths and heads, so the
+    same scalar arguments: only the grid tells the launches apart."""
+    for batch in (1, 3, 1):
+        q, k, v = random_qkv((batch, 2, 300, 64), 300, dtype=torch.bfloat16, device="cuda", seed=batch)
+        check_backend("triton", q, k, v, True, GPU_TOLERANCE[torch.bfloat16])
+

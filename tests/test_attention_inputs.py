@@ -3,7 +3,8 @@ keys, huge scores) give the right answer, never NaN or silent garbage."""
 import pytest
 import torch
 
-from attention import BACKENDS, FlashAttentionPytorch, FlashAttentionTriton, FlashAttentionTritonFwd, attention
+from attention import (BACKENDS, FlashAttentionPytorch, FlashAttentionTriton, FlashAttentionTritonFwd, attention,
+                       packed_attention)
 from attention.eager import eager_attention_with_lse
 
 ENTRY_POINTS = {
@@ -63,6 +64,32 @@ def test_triton_limits(backend):
     strided = torch.randn(1, 16, 8).transpose(1, 2)  # (1, 8, 16) with last-dim stride 8
     with pytest.raises(ValueError, match="q has last-dim stride 8"):
         attention(strided, *qkv(1, 8, 16)[1:], backend=backend)
+
+
+PACKED = torch.randn(2, 8, 3, 2, 16)
+BAD_PACKED = [
+    ("qkv", "(B, N, 3, H, D)", (torch.randn(2, 8, 3, 32),), {}),
+    ("qkv", "(B, N, 3, H, D)", (torch.randn(2, 8, 2, 2, 16),), {}),
+    ("qkv", "floating-point", (PACKED.long(),), {}),
+    ("qkv", "torch.Tensor", (PACKED.tolist(),), {}),
+    ("is_causal", "bool", (PACKED,), {"is_causal": 1}),
+    ("backend", "flash3", (PACKED,), {"backend": "flash3"}),
+]
+
+
+@pytest.mark.parametrize("backend", BACKENDS)
+@pytest.mark.parametrize("name,expected,args,kwargs", BAD_PACKED, ids=[f"{n}-{e}" for n, e, _, _ in BAD_PACKED])
+def test_packed_attention_bad_inputs_name_the_argument(backend, name, expected, args, kwargs):
+    with pytest.raises(ValueError, match=name) as info:
+        packed_attention(*args, **{"backend": backend, **kwargs})
+    assert expected in str(info.value)
+
+
+def test_packed_attention_triton_limits():
+    with pytest.raises(ValueError, match="head dim D=48"):
+        packed_attention(torch.randn(1, 8, 3, 1, 48), backend="triton")
+    with pytest.raises(ValueError, match="float64"):
+        packed_attention(torch.randn(1, 8, 3, 1, 16, dtype=torch.float64), backend="triton")
 
 
 def test_different_devices_are_rejected():

@@ -68,26 +68,23 @@ def test_a_compiled_model_runs_the_triton_backends_as_they_are(attn):
     assert grad.abs().sum() > 0
 
 
-def test_attention_gets_strided_views_of_the_fused_projection(monkeypatch):
+def test_training_hands_attention_the_fused_projection(monkeypatch):
     seen = []
-    real_attention = model_module.attention
+    real_packed_attention = model_module.packed_attention
 
-    def recording_attention(q, k, v, is_causal, backend):
-        seen.append((q, k, v, is_causal, backend))
-        return real_attention(q, k, v, is_causal=is_causal, backend=backend)
+    def recording_packed_attention(qkv, is_causal, backend):
+        seen.append((qkv, is_causal, backend))
+        return real_packed_attention(qkv, is_causal=is_causal, backend=backend)
 
-    monkeypatch.setattr(model_module, "attention", recording_attention)
+    monkeypatch.setattr(model_module, "packed_attention", recording_packed_attention)
     gpt = small_gpt("sdpa")
     gpt(random_tokens(batch=3, length=10))
     assert len(seen) == 2  # one call per layer
-    q, k, v, is_causal, backend = seen[0]
+    qkv, is_causal, backend = seen[0]
     assert (is_causal, backend) == (True, "sdpa")
-    for t in (q, k, v):
-        assert t.shape == (3, 2, 10, 16)  # (B, H, T, D)
-        assert not t.is_contiguous() and t.stride(-1) == 1
-    # all three live in one buffer (the c_attn output), one head dim apart
-    assert k.data_ptr() - q.data_ptr() == 32 * q.element_size()
-    assert v.data_ptr() - k.data_ptr() == 32 * q.element_size()
+    assert qkv.shape == (3, 10, 3, 2, 16)  # (B, T, 3, H, D): q, k, v = qkv.unbind(2)
+    assert qkv.is_contiguous()  # a view of the c_attn output, not a copy
+    assert qkv._base is not None
 
 
 def test_unknown_backend_is_rejected_with_the_valid_ones():
