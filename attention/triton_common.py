@@ -42,10 +42,12 @@ def descriptor_ready(t):
 
 
 def tma_describable(t, row_dim):
-    """Whether TMA can describe t's matrices: a 16-byte aligned base, 16-byte aligned strides
-    (all but the last, which must be 1) and a non-zero stride between rows."""
+    """Whether TMA (and the kernels, which take no stride along D) can describe t's matrices: a
+    16-byte aligned base, a unit last stride, 16-byte aligned other strides and a non-zero stride
+    between rows."""
     elem = t.element_size()
-    return t.data_ptr() % 16 == 0 and all(s * elem % 16 == 0 for s in t.stride()[:-1]) and t.stride(row_dim) > 0
+    return t.data_ptr() % 16 == 0 and t.stride(-1) == 1 and all(s * elem % 16 == 0 for s in t.stride()[:-1]) \
+        and t.stride(row_dim) > 0
 
 
 def check_kernel_device(t):
@@ -125,7 +127,7 @@ class TunedKernel:
     def __init__(self, kernel, configs, smem_rows):
         self.kernel, self.configs, self.smem_rows = kernel, configs, smem_rows
         self.best = {}  # tuning key -> config
-        self.compiled = {}  # (tuning key, device, grid, scalar args) -> (launch, trailing constexpr args)
+        self.compiled = {}  # (tuning key, device, grid, scalars, constexprs) -> (launch, constexpr args)
 
     def __call__(self, grid, key, *args, **constexprs):
         """args: the kernel's tensors, then its scalars; constexprs: the rest but the config's."""

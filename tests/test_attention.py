@@ -219,6 +219,32 @@ def test_views_tma_cannot_describe_are_handled(backend):
     check_backend(backend, q, k, v, True, TOLERANCE[torch.float32])
 
 
+def test_descriptor_ready_copies_a_non_unit_last_stride():
+    """Every other stride 16-byte aligned, but every second element along D: the kernels take
+    no stride along D, so this must be copied, not read as if contiguous."""
+    t = torch.randn(1, 2, 40, 64)[..., ::2]
+    ready = descriptor_ready(t)
+    assert ready.stride(-1) == 1 and torch.equal(ready, t)
+
+
+@pytest.mark.parametrize("backend", BACKENDS)
+def test_gradients_arriving_in_any_layout(backend):
+    """The output's gradient as autograd delivers it after a transpose (unit stride along N, not
+    D) or a sum over D (stride 0 along D): the kernels, which take no stride along D, get a copy."""
+    q, k, v = random_qkv((2, 2, 40, 32), 40, seed=5)
+    w = torch.randn(2, 2, 32, 40)
+    for loss_of in (lambda o: (o.transpose(-1, -2) * w).sum(), lambda o: (o.sum(-1) * w[..., 0, :]).sum()):
+        for t in (q, k, v):
+            t.grad = None
+        o = attention(q, k, v, is_causal=True, backend=backend)
+        loss_of(o).backward()
+        o_ref = attention(*(t.detach().double().requires_grad_() for t in (q, k, v)), is_causal=True, backend="eager")
+        do = torch.autograd.grad(loss_of(o_ref), o_ref)[0]
+        _, _, dq_ref, dk_ref, dv_ref = reference(q, k, v, True, do)
+        for name, t, ref in (("dQ", q, dq_ref), ("dK", k, dk_ref), ("dV", v, dv_ref)):
+            assert_close(t.grad, ref, 1e-4, f"{backend} {name}")
+
+
 @pytest.mark.parametrize("is_causal", [False, True])
 @pytest.mark.parametrize("shape_q,n_k", [((2, 3, 100, 64), 100), ((1, 2, 17, 32), 257), ((1, 1, 257, 16), 33)])
 def test_logsumexp_matches_reference(shape_q, n_k, is_causal):
