@@ -227,12 +227,13 @@ def test_descriptor_ready_copies_a_non_unit_last_stride():
     assert ready.stride(-1) == 1 and torch.equal(ready, t)
 
 
+@pytest.mark.parametrize("device", ["cpu", pytest.param("cuda", marks=gpu)])
 @pytest.mark.parametrize("backend", BACKENDS)
-def test_gradients_arriving_in_any_layout(backend):
+def test_gradients_arriving_in_any_layout(backend, device):
     """The output's gradient as autograd delivers it after a transpose (unit stride along N, not
     D) or a sum over D (stride 0 along D): the kernels, which take no stride along D, get a copy."""
-    q, k, v = random_qkv((2, 2, 40, 32), 40, seed=5)
-    w = torch.randn(2, 2, 32, 40)
+    q, k, v = random_qkv((2, 2, 40, 32), 40, device=device, seed=5)
+    w = torch.randn(2, 2, 32, 40, device=device)
     for loss_of in (lambda o: (o.transpose(-1, -2) * w).sum(), lambda o: (o.sum(-1) * w[..., 0, :]).sum()):
         for t in (q, k, v):
             t.grad = None
@@ -241,8 +242,9 @@ def test_gradients_arriving_in_any_layout(backend):
         o_ref = attention(*(t.detach().double().requires_grad_() for t in (q, k, v)), is_causal=True, backend="eager")
         do = torch.autograd.grad(loss_of(o_ref), o_ref)[0]
         _, _, dq_ref, dk_ref, dv_ref = reference(q, k, v, True, do)
+        tol = TOLERANCE[torch.float32] if device == "cpu" else GPU_TOLERANCE[torch.float32]
         for name, t, ref in (("dQ", q, dq_ref), ("dK", k, dk_ref), ("dV", v, dv_ref)):
-            assert_close(t.grad, ref, 1e-4, f"{backend} {name}")
+            assert_close(t.grad, ref, tol, f"{backend} {name}")
 
 
 @pytest.mark.parametrize("is_causal", [False, True])
