@@ -34,7 +34,7 @@ if not torch.cuda.is_available() and "TRITON_INTERPRET" not in os.environ:
     os.environ["TRITON_INTERPRET"] = "1"
 
 from .eager import eager_attention, eager_attention_with_lse  # noqa: E402
-from .flash_triton import FlashAttentionTriton, FlashAttentionTritonFwd, FlashAttentionTritonPacked  # noqa: E402
+from .flash_triton import FlashAttentionTriton, FlashAttentionTritonFwd, FlashAttentionTritonPacked, unpack_heads  # noqa: E402
 from .inputs import check_inputs, check_packed_inputs  # noqa: E402
 from .sdpa import sdpa_attention  # noqa: E402
 from .tiled import FlashAttentionPytorch  # noqa: E402
@@ -72,5 +72,4 @@ def packed_attention(qkv, is_causal=False, backend="triton"):
     check_packed_inputs(qkv, is_causal)
     if backend == "triton":
         return _PACKED_TRITON(qkv, is_causal)
-    q, k, v = (t.transpose(1, 2) for t in qkv.unbind(dim=2))
-    return _BACKEND_FUNCTIONS[backend](q, k, v, is_causal).transpose(1, 2)
+    return _BACKEND_FUNCTIONS[backend](*unpack_heads(qkv), is_causal).transpose(1, 2)
