@@ -1,0 +1,78 @@
+"""FlashAttention-2 backward in plain PyTorch: the Triton backward's twin, tile for tile.
+
+The forward saved Q, K, V, O and lse (each query row's logsumexp), not the N_q x N_k
+probabilities. The backward recomputes them a tile at a time, p = exp(s - lse), and needs one
+more number per query row, computed first:
+
+    delta = rowsum(dO * O)          (equal to rowsum(dP * P), at the cost of one pass over O)
+
+For each tile pair, with s = q_tile k_tile^T * scale and the forward's mask:
+
+    p  = exp(s - lse)        dp = do_tile v_tile^T        ds = p * (dp - delta)
+    dV += p^T do_tile        dK += ds^T q_tile * scale    dQ += ds k_tile * scale
+
+Two passes, so that each one owns the tiles it writes:
+1. dK, dV: for each key tile, walk the query tiles that see it (query_tile_bounds).
+2. dQ: for each query tile, walk the key tiles it sees (key_tile_bounds, as in the forward).
+
+triton_backward.py runs the same passes as two GPU kernels, _bwd_dkdv and _bwd_dq, with the
+same names and bounds. As in tiled.py, this is clear, not fast: Python loops over tiles.
+"""
+import math
+
+import torch
+from einops import einsum
+
+from .tile_bounds import check_tile_sizes, key_tile_bounds, query_tile_bounds, visible_in_tile
+
+
+def tiled_backward(Q, K, V, O, lse, dO, is_causal=False, tile_m=64, tile_n=64):
+    """dQ, dK, dV of O = attention(Q, K, V) given dO, one tile pair at a time. Math in float32
+    (float64 for float64 inputs); results in the inputs' dtype."""
+    check_tile_sizes(tile_m, tile_n)
+    n_q, n_k = Q.shape[-2], K.shape[-2]
+    scale = 1.0 / math.sqrt(Q.shape[-1])
+    dtype = Q.dtype
+    compute = torch.float64 if dtype == torch.float64 else torch.float32
+    Q, K, V, O, lse, dO = (t.to(compute) for t in (Q, K, V, O, lse, dO))
+    delta = (dO * O).sum(dim=-1)
+    dQ, dK, dV = torch.empty_like(Q), torch.empty_like(K), torch.empty_like(V)
+
+    # 1. dK, dV. Everything is transposed (keys along rows), so dk and dv keep k_tile's shape.
+    for k_start in range(0, n_k, tile_n):
+        k_end = min(k_start + tile_n, n_k)
+        k_tile, v_tile = K[..., k_start:k_end, :], V[..., k_start:k_end, :]
+        dk, dv = torch.zeros_like(k_tile), torch.zeros_like(v_tile)
+        start, unmasked_start = query_tile_bounds(k_start, n_q, is_causal, tile_m, tile_n)
+        for q_start in range(start, n_q, tile_m):
+            q_end = min(q_start + tile_m, n_q)
+            q_tile, do_tile = Q[..., q_start:q_end, :], dO[..., q_start:q_end, :]
+            s_t = einsum(k_tile, q_tile, "... j d, ... i d -> ... j i") * scale
+            p_t = torch.exp(s_t - lse[..., None, q_start:q_end])
+            if q_start < unmasked_start:  # the query tile crosses the diagonal
+                p_t = p_t.masked_fill(~visible_in_tile(q_start, q_end, k_start, k_end, Q.device).mT, 0.0)
+            dv += einsum(p_t, do_tile, "... j i, ... i d -> ... j d")
+            dp_t = einsum(v_tile, do_tile, "... j d, ... i d -> ... j i")
+            ds_t = p_t * (dp_t - delta[..., None, q_start:q_end])
+            dk += einsum(ds_t, q_tile, "... j i, ... i d -> ... j d")
+        dK[..., k_start:k_end, :] = dk * scale
+        dV[..., k_start:k_end, :] = dv
+
+    # 2. dQ, with the forward's schedule.
+    for q_start in range(0, n_q, tile_m):
+        q_end = min(q_start + tile_m, n_q)
+        q_tile, do_tile = Q[..., q_start:q_end, :], dO[..., q_start:q_end, :]
+        dq = torch.zeros_like(q_tile)
+        unmasked_end, end = key_tile_bounds(q_start, n_k, is_causal, tile_m, tile_n)
+        for k_start in range(0, end, tile_n):
+            k_end = min(k_start + tile_n, n_k)
+            k_tile, v_tile = K[..., k_start:k_end, :], V[..., k_start:k_end, :]
+            s = einsum(q_tile, k_tile, "... i d, ... j d -> ... i j") * scale
+            p = torch.exp(s - lse[..., q_start:q_end, None])
+            if is_causal and k_start >= unmasked_end:  # the tile crosses the diagonal
+                p = p.masked_fill(~visible_in_tile(q_start, q_end, k_start, k_end, Q.device), 0.0)
+            dp = einsum(do_tile, v_tile, "... i d, ... j d -> ... i j")
+            ds = p * (dp - delta[..., q_start:q_end, None])
+            dq += einsum(ds, k_tile, "... i j, ... j d -> ... i d")
+        dQ[..., q_start:q_end, :] = dq * scale
+    return dQ.to(dtype), dK.to(dtype), dV.to(dtype)
