@@ -1,14 +1,16 @@
 """FlashAttention-2 backward in Triton: two kernels, no atomics.
 
 1. _bwd_dq: one program holds one query tile and streams the K/V tiles past it (the same
-   schedule as the forward), accumulating dQ. It first computes its rows' Delta =
+   schedule as the forward), accumulating dQ. It first computes its rows' delta =
    rowsum(dO * O), which it needs itself, and stores it for the second kernel.
 2. _bwd_dkdv: one program holds one K/V tile of one (batch, head) and streams the query
    tiles past it, accumulating dK and dV in float32 registers.
 
-Neither pass stores P: both recompute it from the saved logsumexp, P = exp2(S*log2e - L*log2e).
+Neither pass stores P: both recompute it from the saved logsumexp, P = exp2(S*log2e - lse*log2e).
 Splitting dQ from dK/dV costs one more S = Q K^T per tile pair but lets every program own
 its output tile, so there are no atomic adds and each pass gets its own tile sizes.
+
+tiled_backward.py is this file's twin in PyTorch: the same passes, names and tile bounds.
 """
 import torch
 import triton
@@ -21,7 +23,21 @@ KERNEL_LOG2_E = tl.constexpr(LOG2_E)  # the same number, usable inside kernels
 
 
 @triton.jit
-def _dkdv_query_tiles(dk, dv, k_tile, v_tile, Q, dO, stride_qn, stride_don, LSE, Delta, start_m, end_m, cols, N_Q,
+def _query_tile_bounds(start_n, N_Q, IS_CAUSAL: tl.constexpr, BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr):
+    """Which query tiles the key tile starting at row start_n visits: [start_m, unmasked_start)
+    cross the diagonal and need the mask; [unmasked_start, N_Q) see every key of the tile.
+    Causal: queries before start_n see none of its keys. The same rule as
+    tile_bounds.query_tile_bounds, which the tests check against eager's mask."""
+    start_m = 0
+    unmasked_start = 0
+    if IS_CAUSAL:
+        start_m = start_n // BLOCK_M * BLOCK_M
+        unmasked_start = tl.minimum(tl.cdiv(start_n + BLOCK_N - 1, BLOCK_M) * BLOCK_M, tl.cdiv(N_Q, BLOCK_M) * BLOCK_M)
+    return start_m, unmasked_start
+
+
+@triton.jit
+def _dkdv_query_tiles(dk, dv, k_tile, v_tile, Q, dO, stride_qn, stride_don, LSE, DELTA, start_m, end_m, cols, N_Q,
                       qk_scale, MASKED: tl.constexpr, HEAD_DIM: tl.constexpr, BLOCK_M: tl.constexpr,
                       USE_TMA: tl.constexpr):
     """Add the contributions of query tiles [start_m, end_m) to this K/V tile's dK, dV.
@@ -30,10 +46,11 @@ def _dkdv_query_tiles(dk, dv, k_tile, v_tile, Q, dO, stride_qn, stride_don, LSE,
         rows = tile_start + tl.arange(0, BLOCK_M)
         q_tile = _load_tile(Q, tile_start, N_Q, stride_qn, BLOCK_M, HEAD_DIM, USE_TMA)
         do_tile = _load_tile(dO, tile_start, N_Q, stride_don, BLOCK_M, HEAD_DIM, USE_TMA)
-        # Rows past N_Q read L = +inf, so their probabilities are exactly 0 and need no mask.
-        lse2 = tl.load(LSE + rows, mask=rows < N_Q, other=float("inf")) * KERNEL_LOG2_E
-        delta = tl.load(Delta + rows, mask=rows < N_Q, other=0.0)
-        p_t = tl.exp2(tl.dot(k_tile, tl.trans(q_tile)) * qk_scale - lse2[None, :])  # P^T, (BLOCK_N, BLOCK_M)
+        # Rows past N_Q read lse = +inf, so their probabilities are exactly 0 and need no mask.
+        # lse in base 2, like the scores (as m_i is in the forward).
+        lse = tl.load(LSE + rows, mask=rows < N_Q, other=float("inf")) * KERNEL_LOG2_E
+        delta = tl.load(DELTA + rows, mask=rows < N_Q, other=0.0)
+        p_t = tl.exp2(tl.dot(k_tile, tl.trans(q_tile)) * qk_scale - lse[None, :])  # P^T, (BLOCK_N, BLOCK_M)
         if MASKED:  # this query tile crosses the diagonal: key j is visible to query i when j <= i
             p_t = tl.where(cols[:, None] <= rows[None, :], p_t, 0.0)
         dv += tl.dot(p_t.to(do_tile.dtype), do_tile)
@@ -44,7 +61,7 @@ def _dkdv_query_tiles(dk, dv, k_tile, v_tile, Q, dO, stride_qn, stride_don, LSE,
 
 
 @triton.jit(do_not_specialize=["N_Q", "N_K"])
-def _bwd_dkdv(Q, K, V, dO, dK, dV, LSE, Delta,
+def _bwd_dkdv(Q, K, V, dO, dK, dV, LSE, DELTA,
               stride_qb, stride_qh, stride_qn, stride_kb, stride_kh, stride_kn,
               stride_vb, stride_vh, stride_vn, stride_dob, stride_doh, stride_don,
               stride_dkb, stride_dkh, stride_dkn, stride_dvb, stride_dvh, stride_dvn,
@@ -60,7 +77,7 @@ def _bwd_dkdv(Q, K, V, dO, dK, dV, LSE, Delta,
     dK = _head_matrix(dK, bh, H, stride_dkb, stride_dkh, stride_dkn, N_K, HEAD_DIM, BLOCK_N, USE_TMA)
     dV = _head_matrix(dV, bh, H, stride_dvb, stride_dvh, stride_dvn, N_K, HEAD_DIM, BLOCK_N, USE_TMA)
     LSE += bh * N_Q
-    Delta += bh * N_Q
+    DELTA += bh * N_Q
 
     cols = start_n + tl.arange(0, BLOCK_N)
     k_tile = _load_tile(K, start_n, N_K, stride_kn, BLOCK_N, HEAD_DIM, USE_TMA)  # keys past N_K: zeros, never stored
@@ -68,30 +85,24 @@ def _bwd_dkdv(Q, K, V, dO, dK, dV, LSE, Delta,
     dk = tl.zeros([BLOCK_N, HEAD_DIM], dtype=tl.float32)
     dv = tl.zeros([BLOCK_N, HEAD_DIM], dtype=tl.float32)
 
-    # Causal: queries before start_n see none of these keys; from unmasked_start on, every
-    # query of a tile sees every key of this one. Between them, the tiles on the diagonal.
-    start_m = 0
-    unmasked_start = 0
-    if IS_CAUSAL:
-        start_m = start_n // BLOCK_M * BLOCK_M
-        unmasked_start = tl.minimum(tl.cdiv(start_n + BLOCK_N - 1, BLOCK_M) * BLOCK_M, tl.cdiv(N_Q, BLOCK_M) * BLOCK_M)
-    dk, dv = _dkdv_query_tiles(dk, dv, k_tile, v_tile, Q, dO, stride_qn, stride_don, LSE, Delta, start_m,
+    start_m, unmasked_start = _query_tile_bounds(start_n, N_Q, IS_CAUSAL, BLOCK_M, BLOCK_N)
+    dk, dv = _dkdv_query_tiles(dk, dv, k_tile, v_tile, Q, dO, stride_qn, stride_don, LSE, DELTA, start_m,
                                unmasked_start, cols, N_Q, qk_scale, True, HEAD_DIM, BLOCK_M, USE_TMA)
-    dk, dv = _dkdv_query_tiles(dk, dv, k_tile, v_tile, Q, dO, stride_qn, stride_don, LSE, Delta, unmasked_start,
+    dk, dv = _dkdv_query_tiles(dk, dv, k_tile, v_tile, Q, dO, stride_qn, stride_don, LSE, DELTA, unmasked_start,
                                N_Q, cols, N_Q, qk_scale, False, HEAD_DIM, BLOCK_M, USE_TMA)
     _store_tile(dK, start_n, N_K, stride_dkn, dk * sm_scale, BLOCK_N, HEAD_DIM, USE_TMA)
     _store_tile(dV, start_n, N_K, stride_dvn, dv, BLOCK_N, HEAD_DIM, USE_TMA)
 
 
 @triton.jit
-def _dq_key_tiles(dq, q_tile, do_tile, lse2, delta, K, V, stride_kn, stride_vn, start_n, end_n, rows, N_K, qk_scale,
+def _dq_key_tiles(dq, q_tile, do_tile, lse, delta, K, V, stride_kn, stride_vn, start_n, end_n, rows, N_K, qk_scale,
                   MASKED: tl.constexpr, IS_CAUSAL: tl.constexpr, HEAD_DIM: tl.constexpr, BLOCK_N: tl.constexpr,
                   USE_TMA: tl.constexpr):
     """Add the contributions of key tiles [start_n, end_n) to this query tile's dQ."""
     for tile_start in range(start_n, end_n, BLOCK_N):
         k_tile = _load_tile(K, tile_start, N_K, stride_kn, BLOCK_N, HEAD_DIM, USE_TMA)
         v_tile = _load_tile(V, tile_start, N_K, stride_vn, BLOCK_N, HEAD_DIM, USE_TMA)
-        p = tl.exp2(tl.dot(q_tile, tl.trans(k_tile)) * qk_scale - lse2[:, None])
+        p = tl.exp2(tl.dot(q_tile, tl.trans(k_tile)) * qk_scale - lse[:, None])
         if MASKED:  # the tile crosses the diagonal or the end of the keys
             cols = tile_start + tl.arange(0, BLOCK_N)
             visible = cols[None, :] < N_K
@@ -105,7 +116,7 @@ def _dq_key_tiles(dq, q_tile, do_tile, lse2, delta, K, V, stride_kn, stride_vn, 
 
 
 @triton.jit(do_not_specialize=["N_Q", "N_K"])
-def _bwd_dq(Q, K, V, O, dO, dQ, LSE, Delta,
+def _bwd_dq(Q, K, V, O, dO, dQ, LSE, DELTA,
             stride_qb, stride_qh, stride_qn, stride_kb, stride_kh, stride_kn,
             stride_vb, stride_vh, stride_vn, stride_ob, stride_oh, stride_on, stride_dob, stride_doh, stride_don,
             stride_dqb, stride_dqh, stride_dqn,
@@ -124,17 +135,17 @@ def _bwd_dq(Q, K, V, O, dO, dQ, LSE, Delta,
     rows = start_m + tl.arange(0, BLOCK_M)
     q_tile = _load_tile(Q, start_m, N_Q, stride_qn, BLOCK_M, HEAD_DIM, USE_TMA)
     do_tile = _load_tile(dO, start_m, N_Q, stride_don, BLOCK_M, HEAD_DIM, USE_TMA)
-    lse2 = tl.load(LSE + bh * N_Q + rows, mask=rows < N_Q, other=float("inf")) * KERNEL_LOG2_E
-    # Delta_i = dO_i . O_i: read once per row, as a plain load (O is needed for nothing else).
+    lse = tl.load(LSE + bh * N_Q + rows, mask=rows < N_Q, other=float("inf")) * KERNEL_LOG2_E  # base 2
+    # delta_i = dO_i . O_i: read once per row, as a plain load (O is needed for nothing else).
     o_tile = _load_tile(O, start_m, N_Q, stride_on, BLOCK_M, HEAD_DIM, False)
     delta = tl.sum(o_tile.to(tl.float32) * do_tile.to(tl.float32), 1)
-    tl.store(Delta + bh * N_Q + rows, delta, mask=rows < N_Q)  # for _bwd_dkdv, launched next
+    tl.store(DELTA + bh * N_Q + rows, delta, mask=rows < N_Q)  # for _bwd_dkdv, launched next
     dq = tl.zeros([BLOCK_M, HEAD_DIM], dtype=tl.float32)
 
     unmasked_end, end = _key_tile_bounds(start_m, N_K, IS_CAUSAL, BLOCK_M, BLOCK_N)
-    dq = _dq_key_tiles(dq, q_tile, do_tile, lse2, delta, K, V, stride_kn, stride_vn, 0, unmasked_end, rows, N_K,
+    dq = _dq_key_tiles(dq, q_tile, do_tile, lse, delta, K, V, stride_kn, stride_vn, 0, unmasked_end, rows, N_K,
                        qk_scale, False, IS_CAUSAL, HEAD_DIM, BLOCK_N, USE_TMA)
-    dq = _dq_key_tiles(dq, q_tile, do_tile, lse2, delta, K, V, stride_kn, stride_vn, unmasked_end, end, rows, N_K,
+    dq = _dq_key_tiles(dq, q_tile, do_tile, lse, delta, K, V, stride_kn, stride_vn, unmasked_end, end, rows, N_K,
                        qk_scale, True, IS_CAUSAL, HEAD_DIM, BLOCK_N, USE_TMA)
     _store_tile(dQ, start_m, N_Q, stride_dqn, dq * sm_scale, BLOCK_M, HEAD_DIM, USE_TMA)
 
@@ -168,7 +179,7 @@ _bwd_dq_tuned = TunedKernel(_bwd_dq, DQ_CONFIGS, dq_smem_rows)
 
 def flash_backward(q, k, v, o, do, lse, is_causal, out=None, dkdv_config=None, dq_config=None):
     """Gradients of O = attention(q, k, v) for (B, H, N, D) descriptor-ready q, k, v, o, do
-    and the forward's contiguous float32 L. Returns dq, dk, dv: written into out, descriptor-
+    and the forward's contiguous float32 lse. Returns dq, dk, dv: written into out, descriptor-
     ready views, when given; otherwise new tensors in the dtypes and memory order of q, k, v
     (for the model's views of one fused projection, the order its gradient is assembled in).
     dkdv_config / dq_config: triton.Configs to bypass the tuning (tests, bench.py)."""
@@ -184,7 +195,7 @@ def flash_backward(q, k, v, o, do, lse, is_causal, out=None, dkdv_config=None, d
     strides = (*q.stride()[:3], *k.stride()[:3], *v.stride()[:3])
     key = tuning_key(q, k, is_causal)
 
-    # dQ first: it also writes Delta, which the dK/dV kernel reads.
+    # dQ first: it also writes delta, which the dK/dV kernel reads.
     args = (q, k, v, o, do, dq, lse, delta, *strides, *o.stride()[:3], *do.stride()[:3], *dq.stride()[:3], *shape_args)
     grid = lambda meta: (triton.cdiv(N_Q, meta["BLOCK_M"]), B * H)
     if dq_config is None:

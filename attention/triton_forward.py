@@ -2,7 +2,7 @@
 
 One program computes one query tile of one (batch, head): it keeps q_tile and the running
 softmax state (m_i, l_i, acc) in registers and streams K/V tiles past them, so the
-N_q x N_k score matrix never exists in memory. It writes O and the logsumexp L once.
+N_q x N_k score matrix never exists in memory. It writes O and the logsumexp lse once.
 
 The softmax runs in base 2 (exp2 is one instruction; log2(e) is folded into the scale), so
 m_i is a running max of base-2 logits. Causal programs visit key tiles in two stages: tiles
@@ -33,7 +33,8 @@ def _query_tile_start(IS_CAUSAL: tl.constexpr, BLOCK_M: tl.constexpr):
 def _key_tile_bounds(start_m, N_K, IS_CAUSAL: tl.constexpr, BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr):
     """Which key tiles the query tile starting at row start_m visits: [0, unmasked_end) are
     visible to all its rows and lie inside N_K; [unmasked_end, end) need the mask. Causal:
-    keys past the tile's last row are never visited."""
+    keys past the tile's last row are never visited. The same rule as tile_bounds.key_tile_bounds,
+    which the tiled PyTorch code runs and the tests check against eager's mask."""
     unmasked_end = (N_K // BLOCK_N) * BLOCK_N
     end = N_K
     if IS_CAUSAL:
@@ -111,7 +112,7 @@ def _fwd_key_tiles(acc, l_i, m_i, q_tile, K, V, stride_kn, stride_vn, start_n, e
 
 
 @triton.jit(do_not_specialize=["N_Q", "N_K"])
-def _attn_fwd(Q, K, V, O, L,
+def _attn_fwd(Q, K, V, O, LSE,
               stride_qb, stride_qh, stride_qn, stride_kb, stride_kh, stride_kn,
               stride_vb, stride_vh, stride_vn, stride_ob, stride_oh, stride_on,
               H, N_Q, N_K, qk_scale,
@@ -139,7 +140,7 @@ def _attn_fwd(Q, K, V, O, L,
     # Normalise once, at the end. Every row saw key 0, so l_i >= 1.
     _store_tile(O, start_m, N_Q, stride_on, acc / l_i[:, None], BLOCK_M, HEAD_DIM, USE_TMA)
     lse = (m_i + tl.log2(l_i)) * LN_2  # back to natural log
-    tl.store(L + bh * N_Q + rows, lse, mask=rows < N_Q)
+    tl.store(LSE + bh * N_Q + rows, lse, mask=rows < N_Q)
 
 
 def forward_smem_rows(config):
@@ -163,14 +164,14 @@ _attn_fwd_tuned = TunedKernel(_attn_fwd, FORWARD_CONFIGS, forward_smem_rows)
 
 def flash_forward(q, k, v, is_causal, config=None):
     """q, k, v: (B, H, N, D) descriptor-ready views. Returns O (B, H, N_q, D) in q's dtype
-    and L (B, H, N_q) float32. config: a triton.Config to bypass the tuning (tests, bench)."""
+    and lse (B, H, N_q) float32. config: a triton.Config to bypass the tuning (tests, bench)."""
     B, H, N_Q, D = q.shape
     N_K = k.shape[2]
     # O in q's memory order: for the model's q, a view of (B, N, 3, H, D), that is (B, N, H, D),
     # so the transpose back to (B, N, H * D) after attention costs no copy.
     o = torch.empty_like(q)
     lse = torch.empty((B, H, N_Q), dtype=torch.float32, device=q.device)
-    if N_K == 0:  # no key to attend to (TMA cannot describe an empty matrix): O = 0, L = -inf
+    if N_K == 0:  # no key to attend to (TMA cannot describe an empty matrix): O = 0, lse = -inf
         return o.zero_(), lse.fill_(float("-inf"))
     if o.numel() == 0:
         return o, lse
