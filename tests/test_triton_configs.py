@@ -18,7 +18,7 @@ from attention.triton_common import ADA_SHARED_MEMORY_BYTES
 
 HEAD_DIMS = (16, 32, 64, 128)
 TENSOR_POINTERS = {"Q", "K", "V", "O", "dO", "dQ", "dK", "dV"}
-FLOAT32_POINTERS = {"L", "LSE", "Delta"}
+FLOAT32_POINTERS = {"LSE", "DELTA"}
 ELEMENT_TYPES = {"bf16": 2, "fp32": 4}
 
 
