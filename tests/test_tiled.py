@@ -100,3 +100,15 @@ def test_tile_bounds_agree_with_the_causal_mask(tile_m, tile_n, n_q, n_k, is_cau
             if kind == "unmasked":
                 assert tile.all(), f"tile ({q_start}, {k_start}) holds hidden pairs but runs unmasked"
     assert all(q < n_q and k < n_k for q, k in visits), "a tile outside the sequences is visited"
+
+
+def test_causal_tiles_figure_is_drawn(tmp_path):
+    """docs/causal_tiles.py, which draws the tiles from tile_bounds, runs from anywhere."""
+    import subprocess
+    import sys
+    from pathlib import Path
+
+    script = Path(__file__).resolve().parent.parent / "docs" / "causal_tiles.py"
+    out = tmp_path / "tiles.png"
+    subprocess.run([sys.executable, str(script), "--out", str(out)], cwd=tmp_path, check=True, timeout=300)
+    assert out.read_bytes()[:8] == b"\x89PNG\r\n\x1a\n"
