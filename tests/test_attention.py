@@ -253,7 +253,7 @@ def test_logsumexp_matches_reference(shape_q, n_k, is_causal):
     q, k, v = (t.detach() for t in random_qkv(shape_q, n_k, seed=n_k))
     _, lse_ref = eager_attention_with_lse(q.double(), k.double(), v.double(), is_causal)
     for tile_size in (16, 37):
-        _, lse = tiled_forward(q, k, v, is_causal, tile_size)
+        _, lse = tiled_forward(q, k, v, is_causal, tile_size, tile_size)
         assert lse.dtype == torch.float32 and lse.shape == q.shape[:-1]
         assert_close(lse, lse_ref, 1e-5, f"tiled L (tile {tile_size})")
     _, lse = flash_forward(q, k, v, is_causal)
@@ -278,7 +278,7 @@ def test_saves_exactly_q_k_v_o_l(function):
 @pytest.mark.parametrize("tile_size", [1, 16, 50, 300])
 def test_tiled_any_tile_size(tile_size):
     q, k, v = random_qkv((1, 2, 70, 16), 45, seed=tile_size)
-    o = FlashAttentionPytorch.apply(q, k, v, True, tile_size)
+    o = FlashAttentionPytorch.apply(q, k, v, True, tile_size, tile_size)
     o_ref, *_ = reference(q, k, v, True, torch.ones_like(o))
     assert_close(o, o_ref, 1e-5, f"tiled O (tile {tile_size})")
 
