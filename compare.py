@@ -26,8 +26,13 @@ context length n, batch_size = that / n (at least 1). A backend that runs out of
 one length is not run at longer ones. Steady state leaves out the warm-up steps train.py
 flags (compile, autotune), so a backend is not charged for its one-off costs.
 
-Exit status: 0 done; 1 a run failed other than by running out of memory; 2 bad arguments;
-130 interrupted by Ctrl-C (the run in progress saves its checkpoint, as train.py does).
+A run that fails other than by running out of memory is marked in the report with its exit
+status and last line of output, and the other runs go on. --from_runs warns, and says in
+compare.md, when the runs differ in settings other than the backend.
+
+Exit status: 0 done; 1 a run failed other than by running out of memory (after all the
+others ran and the report was written); 2 bad arguments (a corrupt --from_runs config.json
+too); 130 interrupted by Ctrl-C (the run in progress saves its checkpoint, as train.py does).
 """
 import os
 import re
@@ -63,10 +68,6 @@ class CompareConfig:
     sweep_block_size: str = ""  # comma-separated context lengths, e.g. 256,512,1024,2048,4096
 
 
-class CompareError(RuntimeError):
-    pass
-
-
 @dataclass
 class Run:
     label: str  # the backend, unless two runs share one
@@ -74,6 +75,11 @@ class Run:
     config: dict = field(default_factory=dict)  # config.json
     records: list = field(default_factory=list)  # metrics.jsonl
     out_of_memory: bool = False
+    failure: str = ""  # for a run that failed otherwise: its exit status and last line of output
+
+    @property
+    def finished(self):
+        return not (self.out_of_memory or self.failure)
 
 
 def split_list(text):
@@ -97,6 +103,13 @@ def check_compare_config(config, passed_on):
         for name in (CONFIG_NAME, METRICS_NAME):
             if not os.path.isfile(os.path.join(out_dir, name)):
                 raise ConfigError(f"from_runs: {out_dir} has no {name}; expected the out_dir of a train.py run")
+        try:
+            run_config = read_run_config(out_dir)
+        except (OSError, ValueError) as e:
+            raise ConfigError(f"from_runs: {os.path.join(out_dir, CONFIG_NAME)} cannot be read ({e})") from None
+        if not isinstance(run_config, dict) or not isinstance(run_config.get("attn"), str):
+            raise ConfigError(f"from_runs: {os.path.join(out_dir, CONFIG_NAME)} is not a train.py config.json "
+                              "(it has no attn)")
     for arg in passed_on:
         key = arg[2:].partition("=")[0] if arg.startswith("--") else None
         if key in SET_PER_RUN:
@@ -124,10 +137,11 @@ def parse_args(argv):
 
 def train(label, out_dir, args, total_iters):
     """Run train.py with `args` into out_dir, showing a progress bar; its output goes to
-    out_dir/train.log. Returns a Run, marked when the GPU ran out of memory."""
+    out_dir/train.log. Returns a Run, marked when the GPU ran out of memory or train.py
+    failed otherwise. A run of an earlier compare.py in out_dir is replaced (overwrite)."""
     os.makedirs(out_dir, exist_ok=True)
     log_path = os.path.join(out_dir, "train.log")
-    command = [sys.executable, TRAIN_SCRIPT, *args, f"--out_dir={out_dir}"]
+    command = [sys.executable, TRAIN_SCRIPT, "--overwrite=True", *args, f"--out_dir={out_dir}"]
     with open(log_path, "w") as log, tqdm(total=total_iters, desc=label, unit="iter", leave=True) as bar:
         process = subprocess.Popen(command, stdout=subprocess.PIPE, stderr=subprocess.STDOUT, text=True)
         try:
@@ -147,8 +161,11 @@ def train(label, out_dir, args, total_iters):
         return Run(label, out_dir, out_of_memory=True)
     if status != 0:
         with open(log_path) as f:
-            tail = "".join(f.readlines()[-15:])
-        raise CompareError(f"{label}: train.py exited with status {status}; the end of {log_path}:\n{tail}")
+            lines = [line.strip() for line in f if line.strip()]
+        last_line = lines[-1] if lines else "no output"
+        print(f"{label}: train.py exited with status {status}: {last_line} (all of it in {log_path})",
+              file=sys.stderr)
+        return Run(label, out_dir, failure=f"exit status {status}: {last_line}")
     return read_run(label, out_dir)
 
 
@@ -162,6 +179,19 @@ def runs_from_dirs(out_dirs):
     backends = [config["attn"] for config in configs]
     return [read_run(backend if backends.count(backend) == 1 else f"{backend} ({os.path.basename(out_dir)})",
                      out_dir) for backend, out_dir in zip(backends, out_dirs)]
+
+
+# Settings that may differ between runs compared step for step: the backend itself, and
+# where and under which name a run logs.
+MAY_DIFFER = {"attn", "out_dir", "init_from", "overwrite", "wandb_log", "wandb_project", "wandb_run_name"}
+
+
+def differing_settings(runs):
+    """'key (value in label, value in label, ...)' for each setting in which the runs'
+    config.json differ, apart from MAY_DIFFER: their curves are then not comparable."""
+    keys = sorted(set().union(*(run.config for run in runs)) - MAY_DIFFER)
+    return [f"{key} (" + ", ".join(f"{run.config.get(key)!r} in {run.label}" for run in runs) + ")"
+            for key in keys if len({repr(run.config.get(key)) for run in runs}) > 1]
 
 
 # ---- numbers ----
@@ -211,12 +241,15 @@ def describe_setup(config):
 
 def write_comparison(runs, out, command):
     os.makedirs(out, exist_ok=True)
-    reference = next((run for run in runs if run.config.get("attn") == REFERENCE), None)  # the first, if several
-    trained = [run for run in runs if not run.out_of_memory]
+    reference = next((run for run in runs if run.finished and run.config.get("attn") == REFERENCE), None)  # the first
+    trained = [run for run in runs if run.finished]
     rows = []
     for run in runs:
         if run.out_of_memory:
             rows.append(f"| {run.label} | out of memory |" + " |" * 8)
+            continue
+        if run.failure:
+            rows.append(f"| {run.label} | failed, {run.failure.replace('|', '/')} |" + " |" * 8)
             continue
         final = last_eval(run)
         step_ms = [r["step_ms"] for r in steady_records(run)]
@@ -228,9 +261,14 @@ def write_comparison(runs, out, command):
             fmt(median_of(run, "step_ms"), ".1f"), spread, fmt(median_of(run, "tokens_per_s"), ",.0f"),
             fmt(median_of(run, "mfu") and 100 * median_of(run, "mfu"), ".1f", "%"), fmt(peak_memory(run), ",.0f"),
             fmt(train_diff, ".2e"), fmt(val_diff, ".2e")]) + " |")
-    setup = describe_setup(trained[0].config) if trained else "every run ran out of memory"
+    setup = describe_setup(trained[0].config) if trained else "no run finished"
     reference_note = ("" if reference else
                       f"\nNo {REFERENCE} run finished, so there are no differences from its curves.\n")
+    differences = differing_settings(trained)
+    if differences:
+        reference_note += ("\n**These runs differ in settings other than the backend, so their curves and times are "
+                           "not comparable step for step:** " + "; ".join(differences) + ". The setup line is the "
+                           "first run's.\n")
     text = f"""# Attention backends compared
 
 `{command}`
@@ -256,7 +294,7 @@ def plot_comparison(runs, path, setup, reference):
     fig = Figure(figsize=(17, 9), layout="constrained")
     (loss_ax, diff_ax, time_ax), (speed_ax, mfu_ax, memory_ax) = fig.subplots(2, 3)
     fig.suptitle(f"Attention backends compared: {setup}", fontsize=9)
-    trained = [run for run in runs if not run.out_of_memory]
+    trained = [run for run in runs if run.finished]
 
     for run in trained:
         color = COLORS.get(run.config["attn"])
@@ -311,14 +349,15 @@ def draw_cap(ax, max_memory_gb):
 
 
 def bar_chart(ax, runs, key, value_of, title, unit, label_format, missing="n/a"):
-    """One bar per run; a run that ran out of memory gets a label instead of a bar."""
-    values = {run.label: value_of(run, key) for run in runs if not run.out_of_memory}
+    """One bar per run; a run that ran out of memory or failed gets a label instead of a bar."""
+    values = {run.label: value_of(run, key) for run in runs if run.finished}
     if all(value is None for value in values.values()):
         no_data(ax, f"{title}: {missing}")
         return
     for i, run in enumerate(runs):
-        if run.out_of_memory:
-            ax.text(i, 0, "out of\nmemory", ha="center", va="bottom", color="red", fontsize=8)
+        if not run.finished:
+            ax.text(i, 0, "out of\nmemory" if run.out_of_memory else "failed", ha="center", va="bottom", color="red",
+                    fontsize=8)
         elif values[run.label] is not None:
             ax.bar(i, values[run.label], color=COLORS.get(run.config["attn"]))
             ax.text(i, values[run.label], label_format.format(values[run.label]), ha="center", va="bottom", fontsize=8)
@@ -369,12 +408,14 @@ def sweep_cell(by_size, size, value):
         return "not run"
     if run.out_of_memory:
         return "**OOM**"
+    if run.failure:
+        return f"**failed** ({run.failure.split(':')[0]})"
     return value(run)
 
 
 def write_sweep(results, sizes, out, command, train_config):
     tokens = train_config.batch_size * train_config.block_size
-    finished = [run for by_size in results.values() for run in by_size.values() if run and not run.out_of_memory]
+    finished = [run for by_size in results.values() for run in by_size.values() if run and run.finished]
     # The model, device and dtype of any run, with the config's own block_size and batch_size.
     setup = (describe_setup({**finished[0].config, "block_size": train_config.block_size,
                              "batch_size": train_config.batch_size}) if finished else "every run ran out of memory")
@@ -397,7 +438,7 @@ def write_sweep(results, sizes, out, command, train_config):
 
 Each context length T keeps the config's {tokens:,} tokens per micro-batch: batch_size = {tokens:,} / T
 (at least 1), so {batch_sizes}. **OOM**: train.py ran out of memory; "not run": it had already run out at a shorter
-context; "–": the sweep has not reached it (yet). Steady state as in compare.md: after each run's warm-up steps.
+context; **failed**: train.py failed otherwise (its train.log says why); "–": the sweep has not reached it (yet). Steady state as in compare.md: after each run's warm-up steps.
 
 """ + "\n\n".join(tables) + "\n"
     with open(os.path.join(out, "sweep.md"), "w") as f:
@@ -410,11 +451,11 @@ def plot_sweep(results, sizes, path, setup, max_memory_gb):
     time_ax, memory_ax = fig.subplots(1, 2)
     # The setup line is long: wrapped, so the figure's narrower width does not clip it.
     fig.suptitle(textwrap.fill(f"Step time and memory vs context length: {setup}", 150), fontsize=9)
-    has_memory = any(run and not run.out_of_memory and peak_memory(run) is not None
+    has_memory = any(run and run.finished and peak_memory(run) is not None
                      for by_size in results.values() for run in by_size.values())
     axes = (time_ax, memory_ax) if has_memory else (time_ax,)
     for backend, by_size in results.items():
-        done = [(size, run) for size, run in by_size.items() if run and not run.out_of_memory]
+        done = [(size, run) for size, run in by_size.items() if run and run.finished]
         out_of_memory = [size for size, run in by_size.items() if run is None or run.out_of_memory]
         label = backend + (f" (out of memory from T={out_of_memory[0]})" if out_of_memory else "")
         time_ax.plot([size for size, _ in done], [median_of(run, "step_ms") for _, run in done], "o-",
@@ -452,22 +493,29 @@ def main(argv=None):
     sizes = [int(size) for size in split_list(config.sweep_block_size)]
     try:
         if config.from_runs:
-            write_comparison(runs_from_dirs(split_list(config.from_runs)), config.out, command)
+            runs = runs_from_dirs(split_list(config.from_runs))
+            for difference in differing_settings(runs):
+                print(f"warning: the runs differ in {difference}; compare.md says so", file=sys.stderr)
+            write_comparison(runs, config.out, command)
         elif sizes:
-            run_sweep(backends, sizes, config.out, passed_on, train_config, command)
+            results = run_sweep(backends, sizes, config.out, passed_on, train_config, command)
+            runs = [run for by_size in results.values() for run in by_size.values() if run is not None]
         else:
+            # A backend that fails is marked in compare.md; the others still run.
             runs = [train(backend, os.path.join(config.out, "runs", backend),
                           ["--log_interval=1", *passed_on, f"--attn={backend}"], train_config.max_iters)
                     for backend in backends]
             write_comparison(runs, config.out, command)
-    except CompareError as e:
-        print(f"error: {e}", file=sys.stderr)
-        sys.exit(EXIT_RUN_FAILED)
     except KeyboardInterrupt:
         print("compare.py: interrupted", file=sys.stderr)
         sys.exit(130)
     written = ["sweep.md", "sweep.png"] if sizes else ["compare.md", "compare.png"]
     print("wrote " + ", ".join(os.path.join(config.out, name) for name in written))
+    failed = [run.label for run in runs if run.failure]
+    if failed:
+        print(f"error: {len(failed)} of {len(runs)} runs failed ({', '.join(failed)}); the others were compared",
+              file=sys.stderr)
+        sys.exit(EXIT_RUN_FAILED)
 
 
 if __name__ == "__main__":

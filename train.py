@@ -26,6 +26,8 @@ import os
 import random
 import signal
 import sys
+import tempfile
+import threading
 import time
 from dataclasses import asdict, replace
 from pathlib import Path
@@ -34,14 +36,14 @@ import numpy as np
 import torch
 from torch.nn.parallel import DistributedDataParallel
 
-from checkpoint import CheckpointError, checkpoint_path, load_checkpoint, save_checkpoint
-from configurator import config_files, parse_config
+from checkpoint import CHECKPOINT_NAME, CheckpointError, checkpoint_path, load_checkpoint, save_checkpoint
+from configurator import EXIT_BAD_CONFIG, ConfigError, config_files, parse_config
 from data.batches import Batches, DataError, is_prepared
 from data.shakespeare.prepare import PrepareError, prepare
 from ddp import World
 from devices import (EXIT_OUT_OF_MEMORY, DeviceError, autocast, cap_memory, peak_flops, peak_memory_mb, pick_device,
                      pick_dtype, synchronize)
-from metrics import append_metrics, reset_metrics, write_run_config
+from metrics import METRICS_NAME, append_metrics, reset_metrics, write_run_config
 from model import GPT, GPTConfig
 from train_config import TrainConfig, check_config
 
@@ -53,6 +55,10 @@ SHAPE_KEYS = ("n_layer", "n_head", "n_embd", "block_size", "bias", "vocab_size")
 # steady-state step time.
 TIMING_WARMUP_STEPS = 3
 DEFAULT_CONFIG_NAME = "shakespeare"  # train.py's defaults are configs/shakespeare.py
+EVAL_PROGRESS_SECONDS = 5  # an evaluation running longer prints its progress this often
+# A CPU does some 1e10-1e11 FLOP/s in training: above this many FLOP per iteration a step
+# takes seconds to minutes, which is a config sized for a GPU.
+CPU_FLOP_PER_ITER_WARNING = 1e11
 
 
 class TrainingError(RuntimeError):
@@ -104,6 +110,30 @@ def restore_rng_states(states, sampler, device):
     sampler.set_state(states["sampler"])
 
 
+def check_out_dir(config):
+    """Raise ConfigError unless out_dir is a folder this process can write (made here if
+    missing), and unless a run from scratch would replace no run there (a checkpoint, or
+    logged metrics) or overwrite=True says it may. Checked before any work starts."""
+    out_dir = config.out_dir
+    if os.path.exists(out_dir) and not os.path.isdir(out_dir):
+        raise ConfigError(f"out_dir={out_dir!r} is a file; expected a folder (made if missing)")
+    try:
+        os.makedirs(out_dir, exist_ok=True)
+        with tempfile.TemporaryFile(dir=out_dir):
+            pass
+    except OSError as e:
+        raise ConfigError(f"out_dir={out_dir!r}: cannot write there ({e.strerror or e}); "
+                          "expected a folder this user can write (made if missing)") from None
+    metrics_path = os.path.join(out_dir, METRICS_NAME)
+    held = [name for name, held in [(CHECKPOINT_NAME, os.path.exists(os.path.join(out_dir, CHECKPOINT_NAME))),
+                                    (METRICS_NAME, os.path.isfile(metrics_path) and os.path.getsize(metrics_path))]
+            if held]
+    if config.init_from == "scratch" and held and not config.overwrite:
+        raise ConfigError(f"out_dir={out_dir!r} holds a run ({', '.join(held)}), which a run from scratch would "
+                          "replace. Continue it with --init_from=resume, replace it with --overwrite=True, "
+                          "or pick another out_dir")
+
+
 def check_same_shape(saved_args, model_args, path):
     differences = [f"{key}={saved_args.get(key)!r} there, {getattr(model_args, key)!r} here"
                    for key in SHAPE_KEYS if saved_args.get(key) != getattr(model_args, key)]
@@ -115,45 +145,92 @@ def check_same_shape(saved_args, model_args, path):
 class StopSignals:
     """SIGINT (Ctrl-C) and SIGTERM (`kill`, job schedulers) ask the loop to stop at the next
     iteration boundary, the one point where model, optimizer and random streams agree, so
-    the checkpoint saved there resumes exactly. A second signal of the same kind stops the
-    process at once (the last checkpoint on disk is intact either way).
+    the checkpoint saved there resumes exactly; an evaluation in progress stops after its
+    current batch. A second signal, of either kind, stops the process at once without
+    saving (the last checkpoint on disk is intact either way), with exit status 128 + its
+    number.
+
+    Python runs a signal handler in the main thread between bytecodes, so two signals that
+    arrive during one long torch call would run it once. Python's C-level handler also
+    writes one byte per signal to the wakeup fd, whatever the main thread is doing; a
+    thread counts those bytes and stops the process at the second, so no signal is lost
+    and a stuck main thread does not delay the stop.
 
     Under torchrun, signal torchrun: it passes the signal on to every process (and kills any
     still running 30 s later), and the processes agree on the iteration to stop at."""
 
+    SIGNALS = (signal.SIGINT, signal.SIGTERM)
+
     def __init__(self, announce):
         self.received = None
         self.announce = announce  # rank 0 alone says what happens next, as it alone saves
-        for signum in (signal.SIGINT, signal.SIGTERM):
+        wakeup_read, wakeup_write = os.pipe()
+        os.set_blocking(wakeup_write, False)  # the C handler must never block
+        signal.set_wakeup_fd(wakeup_write)
+        for signum in self.SIGNALS:
             signal.signal(signum, self._handle)
+        threading.Thread(target=self._count, args=(wakeup_read,), daemon=True).start()
 
     def _handle(self, signum, frame):
-        self.received = signum
-        signal.signal(signum, signal.SIG_DFL)
-        if self.announce:
-            # os.write, not print: print is not safe to re-enter from a signal handler.
-            os.write(2, f"\n{signal.Signals(signum).name}: saving a checkpoint after this iteration "
-                        "(send it again to stop at once)\n".encode())
+        if self.received is None:
+            self.received = signum
+            if self.announce:
+                # os.write, not print: print is not safe to re-enter from a signal handler.
+                os.write(2, f"\n{signal.Signals(signum).name}: stopping after this iteration and saving a "
+                            "checkpoint (send a second signal to stop at once, without saving)\n".encode())
+
+    def _count(self, wakeup_read):
+        count = 0
+        while True:
+            for signum in os.read(wakeup_read, 64):
+                if signum not in self.SIGNALS:
+                    continue
+                count += 1
+                if count >= 2:
+                    os.write(2, f"\nsecond signal ({signal.Signals(signum).name}): stopped at once, without "
+                                "saving; the last checkpoint on disk is intact\n".encode())
+                    os._exit(128 + signum)
 
 
 @torch.no_grad()
-def estimate_loss(model, batches, config, amp):
-    """Mean loss over eval_iters batches per split. The batches come from a generator seeded
-    afresh each time: every evaluation sees the same windows (comparable across iterations
-    and backends), and the training sampler is left untouched."""
+def estimate_loss(model, batches, config, amp, stop, it):
+    """Mean loss over eval_iters batches per split, or None when a signal stopped the
+    evaluation (checked between batches). The batches come from a generator seeded afresh
+    each time: every evaluation sees the same windows (comparable across iterations and
+    backends), and the training sampler is left untouched. An evaluation that runs longer
+    than EVAL_PROGRESS_SECONDS prints how far it has got, so a long one is not silent."""
     model.eval()
     losses = {}
+    last_report = time.perf_counter()
     for split in ("train", "val"):
         generator = torch.Generator().manual_seed(config.seed)
         total = 0.0
-        for _ in range(config.eval_iters):
+        for batch in range(config.eval_iters):
+            if stop.received:
+                model.train()
+                return None
             x, y = batches.get(split, generator)
             with amp:
                 _, loss = model(x, y)
             total += loss.item()
+            if time.perf_counter() - last_report > EVAL_PROGRESS_SECONDS:
+                print(f"evaluating at iter {it}: {split} batch {batch + 1}/{config.eval_iters}")
+                last_report = time.perf_counter()
         losses[split] = total / config.eval_iters
     model.train()
     return losses
+
+
+@torch.no_grad()
+def one_batch_loss(model, batches, config, amp):
+    """The model's loss on one val batch (the first of every evaluation), drawn from a
+    generator of its own so no random stream of training moves."""
+    model.eval()
+    x, y = batches.get("val", torch.Generator().manual_seed(config.seed))
+    with amp:
+        _, loss = model(x, y)
+    model.train()
+    return loss.item()
 
 
 def train_step(model, optimizer, scaler, batches, sampler, config, amp, device, world):
@@ -204,8 +281,12 @@ def start_wandb(config, run_config, run_id):
         return None
     # dir=out_dir puts the run folder (out_dir/wandb/) beside the run's other files; with
     # WANDB_MODE=offline it stays there until `wandb sync` uploads it.
-    return wandb.init(project=config.wandb_project, name=config.wandb_run_name, config=run_config,
-                      dir=config.out_dir, id=run_id, resume="allow" if run_id else None)
+    try:
+        return wandb.init(project=config.wandb_project, name=config.wandb_run_name, config=run_config,
+                          dir=config.out_dir, id=run_id, resume="allow" if run_id else None)
+    except wandb.errors.UsageError as e:  # no API key (online, and no terminal to ask for one)
+        raise ConfigError(f"wandb_log=True but wandb cannot start a run ({e}). Run `wandb login` once, or set "
+                          "WANDB_MODE=offline to keep the run in out_dir/wandb for a later `wandb sync`") from None
 
 
 def run(config, world):
@@ -223,8 +304,6 @@ def run(config, world):
     torch.manual_seed(seed)
     np.random.seed(seed)
     random.seed(seed)
-    if world.is_main:
-        os.makedirs(config.out_dir, exist_ok=True)
     ckpt_path = checkpoint_path(config.out_dir)
 
     batches = load_data(config, device, world)
@@ -276,13 +355,21 @@ def run(config, world):
     run_config = {**asdict(config), "device": str(device), "dtype": str(dtype).removeprefix("torch."),
                   "gpu": torch.cuda.get_device_name(device) if device.type == "cuda" else None,
                   "world_size": world.size, "n_params": raw_model.num_params(), "tokens_per_iter": tokens_per_iter}
+    # Before anything is written to out_dir, so a missing wandb login changes nothing there.
+    wandb_run = start_wandb(config, run_config, wandb_run_id) if config.wandb_log and world.is_main else None
     if world.is_main:
+        if config.init_from == "scratch" and os.path.exists(ckpt_path):
+            os.remove(ckpt_path)  # overwrite=True (check_out_dir): the old run's checkpoint goes with its metrics
         reset_metrics(config.out_dir, keep_through_iter=it if config.init_from == "resume" else None)
         write_run_config(config.out_dir, run_config)
         processes = f" over {world.size} processes" if world.distributed else ""
         print(f"{raw_model.num_params() / 1e6:.2f}M parameters, attn={config.attn}, device={device}, "
               f"dtype={run_config['dtype']}, {tokens_per_iter:,} tokens per iteration{processes}")
-    wandb_run = start_wandb(config, run_config, wandb_run_id) if config.wandb_log and world.is_main else None
+        flop_per_iter = flops_per_token * tokens_per_iter
+        if device.type == "cpu" and flop_per_iter > CPU_FLOP_PER_ITER_WARNING:
+            print(f"warning: this config is sized for a GPU ({flop_per_iter / 1e12:.1f} TFLOP per iteration) and runs "
+                  f"on the CPU, where each iteration and evaluation batch may take minutes; configs/tiny.py is sized "
+                  f"for a CPU (python train.py configs/tiny.py)", file=sys.stderr)
 
     def log(record):
         append_metrics(config.out_dir, record)
@@ -315,7 +402,9 @@ def run(config, world):
         and saves while the others wait at the next iteration."""
         nonlocal best_val_loss
         rng = world.gather(rng_states(sampler, device))
-        losses = estimate_loss(model, batches, config, amp) if world.is_main else {}
+        losses = estimate_loss(model, batches, config, amp, stop, it) if world.is_main else {}
+        stopped = losses is None  # by a signal: the loop saves this iteration's state and stops
+        losses = losses or {}
         if losses:
             print(f"iter {it}: train loss {losses['train']:.4f}, val loss {losses['val']:.4f}")
         non_finite = [split for split, loss in losses.items() if not math.isfinite(loss)]
@@ -323,7 +412,7 @@ def run(config, world):
             if not world.is_main:
                 raise TrainingError(f"rank 0's evaluation at iter {it} was not finite")
             stop_for_non_finite(f"{non_finite[0]} loss", losses[non_finite[0]], it)
-        if not world.is_main:
+        if not world.is_main or stopped:
             return
         log({"iter": it, "train_loss": losses["train"], "val_loss": losses["val"]})
         improved = losses["val"] < best_val_loss
@@ -345,6 +434,13 @@ def run(config, world):
                 rng = world.gather(rng_states(sampler, device))
                 if world.is_main:
                     if last_saved_iter != it:
+                        # The last step's update has not been through a loss yet (a diverging
+                        # step gives a finite loss, then weights that do not): checked first,
+                        # so that a signal never saves them over the last good checkpoint.
+                        loss = one_batch_loss(model, batches, config, amp)
+                        if not math.isfinite(loss):
+                            stop_for_non_finite(f"{signal.Signals(signum).name}: the loss of the weights to save",
+                                                loss, it)
                         save(it, rng)
                     print(f"stopped by {signal.Signals(signum).name} at iter {it}; checkpoint saved in {ckpt_path}. "
                           "To continue, run the same command with --init_from=resume")
@@ -397,6 +493,13 @@ def config_name(argv):
     return "+".join(Path(path).stem for path in config_files(argv)) or DEFAULT_CONFIG_NAME
 
 
+def is_out_of_memory(error):
+    """The GPU's allocator raises torch.OutOfMemoryError; the host's raise a RuntimeError
+    (torch's CPU allocator) or MemoryError (numpy, Python)."""
+    return (isinstance(error, (torch.OutOfMemoryError, MemoryError))
+            or "DefaultCPUAllocator: can't allocate memory" in str(error))
+
+
 def out_of_memory_message(config, world):
     where = f" on rank {world.rank}" if world.distributed else ""
     cap = f" under max_memory_gb={config.max_memory_gb:g}" if config.max_memory_gb else ""
@@ -409,7 +512,8 @@ def main(argv=None):
     sys.stdout.reconfigure(line_buffering=True)  # log lines show up at once, even through a pipe
     argv = sys.argv[1:] if argv is None else list(argv)
     world = World()
-    config = parse_config(TrainConfig, argv, check=lambda config: check_config(config, world.size))
+    config = parse_config(TrainConfig, argv, check=lambda config: (check_config(config, world.size),
+                                                                     check_out_dir(config)))
     if not config.wandb_run_name:
         config = replace(config, wandb_run_name=f"{config.attn}-{config_name(argv)}")
     try:
@@ -420,7 +524,12 @@ def main(argv=None):
         if world.is_main:
             print(f"error: {e}", file=sys.stderr)
         status = EXIT_ERROR
-    except torch.OutOfMemoryError:
+    except ConfigError as e:  # one that shows only once the run starts: no wandb login
+        print(f"config error: {e}", file=sys.stderr)
+        status = EXIT_BAD_CONFIG
+    except (RuntimeError, MemoryError) as e:
+        if not is_out_of_memory(e):
+            raise
         print(f"error: {out_of_memory_message(config, world)}", file=sys.stderr)  # any process, on its own
         status = EXIT_OUT_OF_MEMORY
     finally:

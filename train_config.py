@@ -13,6 +13,7 @@ class TrainConfig:
     # output, evaluation, checkpoints
     out_dir: str = "out-shakespeare"
     init_from: str = choice("scratch", ("scratch", "resume"))
+    overwrite: bool = False  # True: a run from scratch may replace the run in out_dir (its ckpt.pt and metrics.jsonl)
     eval_interval: int = 250  # evaluate (and checkpoint) every this many iterations
     eval_iters: int = 200  # batches per split in each evaluation
     log_interval: int = 10

@@ -2,6 +2,7 @@
 so the Triton interpreter is quick), the report and figure are written, and each backend's
 loss curves stay within LOSS_TOLERANCE of eager's; the context-length sweep marks the runs
 that ran out of memory; --from_runs compares finished runs; bad arguments stop it first."""
+import json
 import os
 from pathlib import Path
 
@@ -108,3 +109,53 @@ def test_bad_arguments_stop_before_any_run(args, message, tmp_path):
     assert result.returncode == 2
     assert message in result.stderr and "Traceback" not in result.stderr
     assert not (tmp_path / "out").exists()
+
+
+def test_a_backend_that_fails_midway_is_marked_and_the_others_still_run(data_dir, tmp_path):
+    # The shim makes the sdpa run raise at its first optimizer step (tests/shims/failing_backend).
+    shim = REPO / "tests" / "shims" / "failing_backend"
+    env = dict(os.environ, PYTHONPATH=os.pathsep.join([str(shim), os.environ.get("PYTHONPATH", "")]),
+               FAILING_BACKEND="sdpa")
+    result = run_script("compare.py", "configs/tiny.py", f"--data_dir={data_dir}", "--backends=sdpa,eager",
+                        "--block_size=32", "--max_iters=2", "--eval_iters=1", f"--out={tmp_path}", env=env)
+    assert result.returncode == 1
+    assert "error: 1 of 2 runs failed (sdpa); the others were compared" in result.stderr
+    rows = table_rows((tmp_path / "compare.md").read_text())
+    assert rows["sdpa"][1] == "failed, exit status 1: RuntimeError: fake kernel failure in the first step"
+    assert 5 < float(rows["eager"][2]) < 11  # eager ran after the failure, and is in the report
+    assert (tmp_path / "compare.png").exists()
+
+
+def fake_run(tmp_path, name, source, **changes):
+    """A copy of a finished run's config.json and metrics.jsonl, with config keys changed."""
+    folder = tmp_path / name
+    folder.mkdir()
+    config = json.loads((source / "config.json").read_text())
+    (folder / "config.json").write_text(json.dumps({**config, **changes}))
+    (folder / "metrics.jsonl").write_text((source / "metrics.jsonl").read_text())
+    return folder
+
+
+def test_from_runs_of_different_settings_names_the_differing_keys(trained_out_dir, tmp_path):
+    one = fake_run(tmp_path, "one", trained_out_dir, attn="eager", gradient_accumulation_steps=1)
+    two = fake_run(tmp_path, "two", trained_out_dir, attn="sdpa", gradient_accumulation_steps=2)
+    result = run_script("compare.py", f"--from_runs={one},{two}", f"--out={tmp_path / 'report'}")
+    assert result.returncode == 0, result.stderr
+    assert "warning: the runs differ in gradient_accumulation_steps (1 in eager, 2 in sdpa)" in result.stderr
+    report = (tmp_path / "report" / "compare.md").read_text()
+    assert "not comparable step for step:** gradient_accumulation_steps (1 in eager, 2 in sdpa)." in report
+    same = fake_run(tmp_path, "same", trained_out_dir, attn="eager")
+    result = run_script("compare.py", f"--from_runs={same},{trained_out_dir}", f"--out={tmp_path / 'same-report'}")
+    assert result.returncode == 0, result.stderr
+    assert "differ" not in result.stderr
+    assert "not comparable" not in (tmp_path / "same-report" / "compare.md").read_text()
+
+
+def test_from_runs_with_a_corrupt_config_json_exits_2_in_one_line(trained_out_dir, tmp_path):
+    run = fake_run(tmp_path, "run", trained_out_dir)
+    (run / "config.json").write_text('{"attn": "eager", "n_la')
+    result = run_script("compare.py", f"--from_runs={run}", f"--out={tmp_path / 'report'}")
+    assert result.returncode == 2
+    assert result.stderr.startswith(f"config error: from_runs: {run / 'config.json'} cannot be read (")
+    assert len(result.stderr.strip().splitlines()) == 1
+    assert not (tmp_path / "report").exists()

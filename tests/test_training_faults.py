@@ -229,3 +229,124 @@ def test_bad_data_is_a_clear_error_before_training(fault, data_dir, tmp_path):
     assert message in result.stderr
     assert "Traceback" not in result.stderr
     assert not (out_dir / "metrics.jsonl").exists()  # nothing trained, nothing logged
+
+
+def shim_env(name, **variables):
+    """The environment with tests/shims/<name> first on PYTHONPATH, and `variables` set."""
+    shim = REPO / "tests" / "shims" / name
+    return dict(os.environ, PYTHONPATH=os.pathsep.join([str(shim), os.environ.get("PYTHONPATH", "")]), **variables)
+
+
+def test_a_signal_never_saves_weights_whose_loss_is_not_finite(trained_out_dir, tiny_args, tmp_path):
+    # Issue 17 item 3: a diverging step gives a finite loss, then weights that do not. A
+    # SIGTERM right after that step must not save them over the iter-4 checkpoint.
+    (tmp_path / "out").mkdir()
+    shutil.copy(trained_out_dir / "ckpt.pt", tmp_path / "out" / "ckpt.pt")
+    good_bytes = (tmp_path / "out" / "ckpt.pt").read_bytes()
+    result = run_script("train.py", *tiny_args, "--init_from=resume", "--max_iters=12", "--eval_interval=100",
+                        "--learning_rate=1e30", "--grad_clip=0", env=shim_env("signal_after_step", SIGNAL_AFTER_STEPS="1"))
+    assert result.returncode == 1, result.stderr
+    assert "SIGTERM: the loss of the weights to save is nan at iter 5; stopped without saving" in result.stderr
+    assert "still holds iter 4, the last good checkpoint" in result.stderr and "Traceback" not in result.stderr
+    assert (tmp_path / "out" / "ckpt.pt").read_bytes() == good_bytes
+
+
+@pytest.mark.parametrize("held", ["ckpt.pt", "metrics.jsonl"])
+def test_a_run_from_scratch_refuses_to_replace_a_run_unless_told_to(held, trained_out_dir, tiny_args, tmp_path):
+    out_dir = tmp_path / "out"
+    out_dir.mkdir()
+    shutil.copy(trained_out_dir / held, out_dir / held)
+    before = (out_dir / held).read_bytes()
+    refused = run_script("train.py", *tiny_args, "--max_iters=0")
+    assert refused.returncode == 2
+    assert refused.stderr.startswith(f"config error: out_dir='{out_dir}' holds a run ({held}), which a run from "
+                                     "scratch would replace. Continue it with --init_from=resume, replace it with "
+                                     "--overwrite=True")
+    assert len(refused.stderr.strip().splitlines()) == 1
+    assert (out_dir / held).read_bytes() == before
+    replaced = run_script("train.py", *tiny_args, "--max_iters=0", "--eval_iters=1", "--overwrite=True")
+    assert replaced.returncode == 0, replaced.stderr
+    assert [r["iter"] for r in map(json.loads, (out_dir / "metrics.jsonl").read_text().splitlines())] == [0]
+    assert not (out_dir / "ckpt.pt").exists()  # the old run's checkpoint went with its metrics
+
+
+@pytest.mark.parametrize("where", ["a file", "under a file", "read-only"])
+def test_an_unusable_out_dir_is_a_config_error_before_any_work(where, tiny_args, tmp_path):
+    if where == "read-only" and os.geteuid() == 0:
+        pytest.skip("root writes into read-only folders")
+    (tmp_path / "file").write_text("not a folder")
+    out_dir = {"a file": tmp_path / "file", "under a file": tmp_path / "file" / "out",
+               "read-only": tmp_path / "read-only"}[where]
+    if where == "read-only":
+        out_dir.mkdir(mode=0o500)
+    expected = {"a file": f"out_dir='{out_dir}' is a file; expected a folder",
+                "under a file": f"out_dir='{out_dir}': cannot write there (Not a directory)",
+                "read-only": f"out_dir='{out_dir}': cannot write there (Permission denied)"}[where]
+    result = run_script("train.py", *tiny_args, f"--out_dir={out_dir}")
+    assert result.returncode == 2
+    assert result.stderr.startswith(f"config error: {expected}") and len(result.stderr.strip().splitlines()) == 1
+    assert "parameters" not in result.stdout  # nothing was built
+
+
+def test_a_full_disk_during_a_checkpoint_is_one_line_and_leaves_no_partial_file(tiny_args, tmp_path):
+    result = run_script("train.py", *tiny_args, "--max_iters=1", "--eval_interval=1", "--eval_iters=1",
+                        env=shim_env("disk_full"))
+    assert result.returncode == 1
+    message = result.stderr.strip().splitlines()
+    assert len(message) == 1 and "Traceback" not in result.stderr
+    assert message[0].startswith(f"error: could not write {tmp_path / 'out' / 'ckpt.pt'} ([enforce fail at "
+                                 "inline_container.cc:672] . PytorchStreamWriter failed writing file data/0")
+    assert "The partial file was removed" in message[0]
+    assert not (tmp_path / "out" / "ckpt.pt.tmp").exists() and not (tmp_path / "out" / "ckpt.pt").exists()
+
+
+def test_host_out_of_memory_exits_3_with_the_out_of_memory_line(tiny_args, tmp_path):
+    import resource
+
+    def limit_address_space():  # as `ulimit -v 4000000` does: 4 GB, far below what the batch needs
+        resource.setrlimit(resource.RLIMIT_AS, (4 * 10**9, 4 * 10**9))
+
+    result = subprocess.run(script_command("train.py", *tiny_args, "--max_iters=1", "--batch_size=100000"), cwd=REPO,
+                            capture_output=True, text=True, timeout=300, preexec_fn=limit_address_space)
+    assert result.returncode == EXIT_OUT_OF_MEMORY == 3
+    assert result.stderr.strip().splitlines()[-1].startswith(
+        "error: out of memory with attn=eager, block_size=64, batch_size=100000. ")
+    assert "Traceback" not in result.stderr
+
+
+def test_two_signals_10_ms_apart_stop_at_once_without_saving(tiny_args, tmp_path):
+    out_dir = tmp_path / "out"
+    process = start_train([*tiny_args, "--max_iters=100000", "--eval_interval=100000", "--log_interval=1"], tmp_path)
+    wait_until(lambda: len(step_losses(out_dir)) >= 1, process)
+    process.send_signal(signal.SIGINT)
+    time.sleep(0.01)
+    process.send_signal(signal.SIGINT)
+    assert process.wait(timeout=120) == 128 + signal.SIGINT
+    stderr = (tmp_path / "stderr.txt").read_text()
+    assert "second signal (SIGINT): stopped at once, without saving" in stderr and "Traceback" not in stderr
+    assert "checkpoint saved" not in (tmp_path / "stdout.txt").read_text()
+    assert not (out_dir / "ckpt.pt").exists()  # the long run had reached no evaluation
+
+
+def test_a_signal_stops_a_long_evaluation_and_saves_the_iteration(tiny_args, tmp_path):
+    # Issue 17 item 20: 100,000 evaluation batches take hours; the signal stops them after
+    # the current batch. The evaluation shows its progress meanwhile (issue 18 item 2).
+    out_dir = tmp_path / "out"
+    process = start_train([*tiny_args, "--max_iters=10", "--eval_iters=100000"], tmp_path)
+    stdout = tmp_path / "stdout.txt"
+    wait_until(lambda: "evaluating at iter 0: train batch " in stdout.read_text(), process)
+    process.send_signal(signal.SIGINT)
+    assert process.wait(timeout=120) == 128 + signal.SIGINT
+    assert f"stopped by SIGINT at iter 0; checkpoint saved in {out_dir / 'ckpt.pt'}" in stdout.read_text()
+    assert load_checkpoint(str(out_dir))["iter"] == 0
+    stderr = (tmp_path / "stderr.txt").read_text()
+    assert "Traceback" not in stderr and "sized for a GPU" not in stderr  # configs/tiny.py fits a CPU
+
+
+def test_a_config_sized_for_a_gpu_warns_on_the_cpu_in_one_line(data_dir, tmp_path):
+    # The default model at a 512-token context: about 0.2 TFLOP per iteration even at batch_size=1.
+    result = run_script("train.py", f"--data_dir={data_dir}", f"--out_dir={tmp_path / 'out'}", "--device=cpu",
+                        "--max_iters=0", "--eval_iters=1", "--batch_size=1", "--block_size=512")
+    assert result.returncode == 0, result.stderr
+    warnings = [line for line in result.stderr.splitlines() if "sized for a GPU" in line]
+    assert len(warnings) == 1 and "configs/tiny.py" in warnings[0]

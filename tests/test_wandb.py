@@ -3,8 +3,9 @@ without wandb (a shim on PYTHONPATH makes `import wandb` fail)."""
 import json
 import os
 import struct
+import subprocess
 
-from conftest import REPO, run_script
+from conftest import REPO, run_script, script_command
 from metrics import read_metrics
 
 NO_WANDB = REPO / "tests" / "shims" / "no_wandb"
@@ -93,3 +94,17 @@ def test_without_wandb_training_goes_on_with_local_metrics(tiny_args, tmp_path):
     assert [r["iter"] for r in records if "loss" in r] == [2, 3, 4]
     assert [r["iter"] for r in records if "val_loss" in r] == [0, 4]
     assert not (tmp_path / "out" / "wandb").exists()
+
+
+def test_online_without_a_login_is_one_line_exit_2_before_any_training(tiny_args, tmp_path):
+    # No WANDB_MODE (online), no API key: a home folder without ~/.netrc, and wandb settings of its own.
+    env = {key: value for key, value in os.environ.items() if not key.startswith("WANDB_")}
+    env.update(HOME=str(tmp_path / "home"), NETRC=str(tmp_path / "home" / ".netrc"),
+               WANDB_CONFIG_DIR=str(tmp_path / "wandb-config"), WANDB_CACHE_DIR=str(tmp_path / "wandb-cache"))
+    result = subprocess.run(script_command("train.py", *tiny_args, "--max_iters=2", "--wandb_log=True"), cwd=REPO,
+                            env=env, stdin=subprocess.DEVNULL, capture_output=True, text=True, timeout=300)
+    assert result.returncode == 2
+    lines = [line for line in result.stderr.splitlines() if line.strip()]
+    assert len(lines) == 1 and lines[0].startswith("config error: wandb_log=True but wandb cannot start a run")
+    assert "`wandb login`" in lines[0] and "WANDB_MODE=offline" in lines[0]
+    assert not (tmp_path / "out" / "metrics.jsonl").exists()  # nothing trained or logged
