@@ -16,6 +16,14 @@ import shutil
 import torch
 
 CHECKPOINT_NAME = "ckpt.pt"
+# What every reader of a checkpoint relies on (train.py's resume checks the optimizer, scaler
+# and random streams as it loads them): entry -> (check, what was expected).
+ENTRIES = {
+    "model": (lambda value: isinstance(value, dict), "a state dict"),
+    "model_args": (lambda value: isinstance(value, dict), "a dict of GPTConfig fields"),
+    "iter": (lambda value: type(value) is int and value >= 0, "an int >= 0"),
+    "best_val_loss": (lambda value: type(value) in (int, float) and value == value, "a number (not NaN)"),
+}
 
 
 class CheckpointError(RuntimeError):
@@ -67,7 +75,16 @@ def load_checkpoint(out_dir):
                               f"{e}). Restore it from a copy, or train from scratch") from None
     if not isinstance(state, dict):
         raise CheckpointError(f"{path} is not a nanoFA2 checkpoint (it holds a {type(state).__name__})")
-    missing = [key for key in ("model", "model_args", "iter") if key not in state]
+    missing = [key for key in ENTRIES if key not in state]
     if missing:
         raise CheckpointError(f"{path} is not a nanoFA2 checkpoint (it lacks {', '.join(missing)})")
+    for key, (ok, expected) in ENTRIES.items():
+        if not ok(state[key]):
+            raise CheckpointError(f"{path} is not a nanoFA2 checkpoint: its {key} is {short_repr(state[key])}, "
+                                  f"expected {expected}")
     return state
+
+
+def short_repr(value, limit=60):
+    text = repr(value)
+    return text if len(text) <= limit else text[:limit] + "..."

@@ -40,7 +40,7 @@ import statistics
 import subprocess
 import sys
 import textwrap
-from dataclasses import dataclass, field, fields
+from dataclasses import dataclass, field, fields, replace
 
 import numpy as np
 from matplotlib.figure import Figure
@@ -130,9 +130,17 @@ def parse_args(argv):
     own = [arg for arg in argv if arg.startswith("--") and arg[2:].partition("=")[0] in own_keys]
     passed_on = [arg for arg in argv if arg not in own]
     config = parse_config(CompareConfig, own, check=lambda config: check_compare_config(config, passed_on))
-    # Checked now, so a typo stops compare.py before the first run rather than after it.
-    train_config = parse_config(TrainConfig, passed_on, check=check_config)
+    # Checked now, with each backend it will train, so a typo (or a head dim the Triton kernels
+    # cannot take) stops compare.py before the first run rather than after it.
+    backends = split_list(config.backends)
+    train_config = parse_config(TrainConfig, passed_on,
+                                check=lambda train_config: check_each_backend(train_config, backends))
     return config, passed_on, train_config
+
+
+def check_each_backend(train_config, backends):
+    for backend in backends:
+        check_config(replace(train_config, attn=backend))
 
 
 def train(label, out_dir, args, total_iters):

@@ -20,9 +20,10 @@ import torch
 
 from attention import BACKENDS
 from checkpoint import CheckpointError, load_checkpoint
-from configurator import ConfigError, choice, parse_config
+from configurator import EXIT_BAD_CONFIG, ConfigError, choice, parse_config
 from devices import DeviceError, autocast, pick_device, pick_dtype, synchronize
 from model import GPT, GPTConfig
+from train_config import check_attn_head_dim
 
 
 @dataclass
@@ -32,7 +33,7 @@ class SampleConfig:
     start: str = "\n"  # the prompt, or FILE:path
     num_samples: int = 2  # with --benchmark=True: the batch, sequences decoded side by side
     max_new_tokens: int = 300
-    temperature: float = 0.8  # < 1 sharpens the distribution, > 1 flattens it
+    temperature: float = 0.8  # < 1 sharpens the distribution, > 1 flattens it; at least MIN_TEMPERATURE
     top_k: int = 200  # sample from the k likeliest tokens only; 0 for all
     seed: int = 1337
     attn: str = choice("checkpoint", ("checkpoint",) + BACKENDS)  # "checkpoint": the one it trained with
@@ -45,13 +46,18 @@ class SampleConfig:
 # A random-init model has the shape of the GPU run (configs/shakespeare.py), for timing
 # decoding without training first.
 RANDOM_MODEL = GPTConfig(block_size=256, n_layer=6, n_head=6, n_embd=384, bias=False)
+# Sampling divides the logits by the temperature. Much below this, logits / temperature
+# overflows (float16 logits under autocast pass 65504 once |logit| > 655 here) and the
+# softmax turns NaN; and by then sampling is greedy in effect, which --top_k=1 does exactly.
+MIN_TEMPERATURE = 0.01
 
 
 def check_config(config):
     rules = [
         ("num_samples", config.num_samples >= 1, "an int >= 1"),
         ("max_new_tokens", config.max_new_tokens >= 1, "an int >= 1"),
-        ("temperature", 0.0 < config.temperature < float("inf"), "a finite float > 0"),
+        ("temperature", MIN_TEMPERATURE <= config.temperature < float("inf"),
+         f"a finite float >= {MIN_TEMPERATURE} (for greedy decoding use --top_k=1)"),
         ("top_k", config.top_k >= 0, "an int >= 0 (0: no top-k)"),
         ("start", config.start not in ("", "FILE:"), "a non-empty prompt or FILE:path"),
     ]
@@ -83,10 +89,19 @@ def build_model(model_args, state, attn, device, out_dir):
     return model.eval().to(device)
 
 
+def can_run(attn, model_args):
+    try:
+        check_attn_head_dim(attn, model_args.n_embd, model_args.n_head)
+    except ConfigError:
+        return False
+    return True
+
+
 def benchmark(config, model_args, state, prompt_ids, device, dtype):
     """Decode tokens/s of each backend with and without the KV cache. Each timed run follows
-    an untimed one of the same length, in which Triton compiles and autotunes its kernels."""
-    backends = BACKENDS if config.attn == "checkpoint" else (config.attn,)
+    an untimed one of the same length, in which Triton compiles and autotunes its kernels.
+    Without --attn, the backends that cannot take the model's head dim are left out."""
+    backends = [b for b in BACKENDS if can_run(b, model_args)] if config.attn == "checkpoint" else (config.attn,)
     batch, prompt_len = config.num_samples, prompt_ids.size(1)
     prompt_ids = prompt_ids.expand(batch, -1)
     print(f"decode: batch {batch}, {prompt_len}-token prompt, {config.max_new_tokens} new tokens, "
@@ -124,8 +139,17 @@ def main(argv=None):
         torch.manual_seed(config.seed)
         model_args, state, source = RANDOM_MODEL, GPT(RANDOM_MODEL).state_dict(), "a random-init model"
     else:
-        model_args, state = GPTConfig(**ckpt["model_args"]), ckpt["model"]
-        source = f"{config.out_dir} (iter {ckpt['iter']})"
+        try:
+            model_args = GPTConfig(**ckpt["model_args"])
+        except TypeError as e:
+            sys.exit(f"error: {config.out_dir}/ckpt.pt describes a model this code cannot build ({e})")
+        state, source = ckpt["model"], f"{config.out_dir} (iter {ckpt['iter']})"
+    if config.attn != "checkpoint":
+        try:
+            check_attn_head_dim(config.attn, model_args.n_embd, model_args.n_head)
+        except ConfigError as e:
+            print(f"config error: {e}", file=sys.stderr)
+            sys.exit(EXIT_BAD_CONFIG)
     encoder = tiktoken.get_encoding("gpt2")
     prompt_ids = torch.tensor([encoder.encode(prompt, allowed_special={"<|endoftext|>"})], device=device)
     if config.benchmark:

@@ -80,8 +80,10 @@ def load_data(config, device, world):
     none of them reads a file being written."""
     if world.is_main and not is_prepared(config.data_dir):
         print(f"no prepared data in {config.data_dir}: running data/shakespeare/prepare.py")
-        meta = prepare(config.data_dir)
-        print(f"prepared {meta['train_tokens']:,} train and {meta['val_tokens']:,} val tokens")
+        # if_missing: another run started at the same time may have prepared it meanwhile.
+        meta = prepare(config.data_dir, if_missing=True)
+        if meta is not None:
+            print(f"prepared {meta['train_tokens']:,} train and {meta['val_tokens']:,} val tokens")
     world.barrier()
     return Batches(config.data_dir, config.block_size, config.batch_size, device)
 

@@ -5,7 +5,11 @@ import math
 from dataclasses import dataclass
 
 from attention import BACKENDS
+from attention.inputs import TRITON_HEAD_DIMS
 from configurator import ConfigError, choice
+
+TRITON_BACKENDS = ("triton", "triton_fwd")
+MAX_SEED = 2**32 - 1  # numpy.random.seed takes [0, 2**32 - 1]
 
 
 @dataclass
@@ -81,7 +85,19 @@ def check_config(config, world_size=1):
         ("beta2", 0.0 <= config.beta2 < 1.0, "in [0, 1)"),
         ("grad_clip", 0.0 <= config.grad_clip < math.inf, "a finite float >= 0 (0: no clipping)"),
         ("max_memory_gb", 0.0 <= config.max_memory_gb < math.inf, "a finite float >= 0 (0: no cap)"),
+        # Process r seeds numpy with seed + r, so the largest rank must stay in range too.
+        ("seed", 0 <= config.seed <= MAX_SEED - (world_size - 1),
+         f"an int in [0, {MAX_SEED - (world_size - 1)}] (numpy's seed range; process r of {world_size} uses seed + r)"),
     ]
     for key, ok, expected in rules:
         if not ok:
             raise ConfigError(f"{key}={getattr(config, key)!r}: expected {expected}")
+    check_attn_head_dim(config.attn, config.n_embd, config.n_head)
+
+
+def check_attn_head_dim(attn, n_embd, n_head):
+    """The Triton kernels take only some head dims; the other backends take any."""
+    if attn in TRITON_BACKENDS and n_embd // n_head not in TRITON_HEAD_DIMS:
+        raise ConfigError(f"attn={attn!r} with n_embd={n_embd} and n_head={n_head}: the head dim n_embd / n_head "
+                          f"= {n_embd // n_head} must be one of {TRITON_HEAD_DIMS} for the Triton kernels "
+                          "(eager, tiled and sdpa take any head dim)")

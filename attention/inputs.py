@@ -5,16 +5,17 @@ import torch
 
 TRITON_HEAD_DIMS = (16, 32, 64, 128)
 TRITON_DTYPES = (torch.float16, torch.bfloat16, torch.float32)
+# The float8 types are floating point too, but no backend computes in them.
+DTYPES = (torch.float16, torch.bfloat16, torch.float32, torch.float64)
 
 
 def check_inputs(q, k, v, is_causal):
     for name, t in (("q", q), ("k", k), ("v", v)):
-        if not isinstance(t, torch.Tensor):
-            raise ValueError(f"{name} must be a torch.Tensor, got {type(t).__name__}")
+        check_tensor(name, t)
         if t.dim() < 2:
             raise ValueError(f"{name} must have shape (..., N, D) with at least 2 dims, got shape {tuple(t.shape)}")
-        if not t.is_floating_point():
-            raise ValueError(f"{name} must be a floating-point tensor, got dtype {t.dtype}")
+    if q.shape[-1] == 0:
+        raise ValueError(f"q has head dim D=0 (shape {tuple(q.shape)}); the head dim must be at least 1")
     if not isinstance(is_causal, bool):
         raise ValueError(f"is_causal must be a bool, got {is_causal!r}")
     for name, t in (("k", k), ("v", v)):
@@ -33,14 +34,26 @@ def check_inputs(q, k, v, is_causal):
 
 def check_packed_inputs(qkv, is_causal):
     """packed_attention's qkv: (B, N, 3, H, D), floating point."""
-    if not isinstance(qkv, torch.Tensor):
-        raise ValueError(f"qkv must be a torch.Tensor, got {type(qkv).__name__}")
+    check_tensor("qkv", qkv)
     if qkv.dim() != 5 or qkv.shape[2] != 3:
         raise ValueError(f"qkv must have shape (B, N, 3, H, D) (q, k, v = qkv.unbind(2)), got shape {tuple(qkv.shape)}")
-    if not qkv.is_floating_point():
-        raise ValueError(f"qkv must be a floating-point tensor, got dtype {qkv.dtype}")
+    if qkv.shape[-1] == 0:
+        raise ValueError(f"qkv has head dim D=0 (shape {tuple(qkv.shape)}); the head dim must be at least 1")
     if not isinstance(is_causal, bool):
         raise ValueError(f"is_causal must be a bool, got {is_causal!r}")
+
+
+def check_tensor(name, t):
+    """A tensor with data (not on the meta device) of a dtype the backends compute in."""
+    if not isinstance(t, torch.Tensor):
+        raise ValueError(f"{name} must be a torch.Tensor, got {type(t).__name__}")
+    if not t.is_floating_point():
+        raise ValueError(f"{name} must be a floating-point tensor, got dtype {t.dtype}")
+    if t.dtype not in DTYPES:
+        raise ValueError(f"{name} has dtype {t.dtype}; attention takes {', '.join(map(str, DTYPES))}")
+    if t.device.type == "meta":
+        raise ValueError(f"{name} is on {t.device}, a device that holds no data; attention needs tensors with "
+                         "values (on the CPU or a GPU)")
 
 
 def check_triton_inputs(q, k, v):

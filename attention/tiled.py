@@ -77,5 +77,13 @@ class FlashAttentionPytorch(torch.autograd.Function):
 
     @staticmethod
     def backward(ctx, dO):
+        # The tiled backward is first order only: a graph built through it would miss how
+        # O and lse depend on Q, K, V, so a second-order gradient would be silently wrong. Grad
+        # mode is on inside a backward only under create_graph=True, the request for such a
+        # graph. (torch's once_differentiable is not enough: torch.autograd.grad(..., inputs)
+        # prunes its error node and reports an input "not used in the graph" instead.)
+        if torch.is_grad_enabled():
+            raise RuntimeError("double backward is not supported by the tiled backend (its backward is first "
+                               "order only): for gradients with create_graph=True use the eager backend")
         dQ, dK, dV = tiled_backward(*ctx.saved_tensors, dO, ctx.is_causal, ctx.tile_m, ctx.tile_n)
         return dQ, dK, dV, None, None, None

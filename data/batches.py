@@ -13,6 +13,21 @@ import numpy as np
 import torch
 
 SPLITS = ("train", "val")
+TOKEN_DTYPES = ("uint8", "uint16", "uint32")  # token ids are >= 0, and int64 holds any of these
+
+
+def is_positive_int(value):
+    return type(value) is int and value >= 1  # bool is a subclass of int, hence no isinstance
+
+
+# Every field of meta.json the readers use, checked before anything trusts it:
+# field -> (check, what was expected).
+META_FIELDS = {
+    "dtype": (lambda value: value in TOKEN_DTYPES, f"one of {', '.join(TOKEN_DTYPES)}"),
+    "vocab_size": (is_positive_int, "an int >= 1"),
+    "train_tokens": (is_positive_int, "an int >= 1"),
+    "val_tokens": (is_positive_int, "an int >= 1"),
+}
 
 
 class DataError(RuntimeError):
@@ -35,9 +50,18 @@ def read_meta(data_dir):
                         "(python data/shakespeare/prepare.py)") from None
     except (OSError, ValueError) as e:
         raise DataError(f"{path} is unreadable ({e}): prepare the data again") from None
-    missing = [key for key in ("dtype", "vocab_size", "train_tokens", "val_tokens") if key not in meta]
+    if not isinstance(meta, dict):
+        raise DataError(f"{path} holds {type(meta).__name__}, not an object of fields: prepare the data again")
+    missing = [key for key in META_FIELDS if key not in meta]
     if missing:
         raise DataError(f"{path} lacks {', '.join(missing)}: prepare the data again")
+    for key, (ok, expected) in META_FIELDS.items():
+        if not ok(meta[key]):
+            raise DataError(f"{path} has {key}={meta[key]!r}, expected {expected}: prepare the data again")
+    largest_id = np.iinfo(meta["dtype"]).max
+    if meta["vocab_size"] - 1 > largest_id:
+        raise DataError(f"{path} has vocab_size={meta['vocab_size']}, but its dtype {meta['dtype']} holds ids up "
+                        f"to {largest_id} only: prepare the data again")
     return meta
 
 
@@ -64,10 +88,11 @@ def open_split(data_dir, split, meta, block_size):
         raise DataError(f"{path} is {size:,} bytes but meta.json says {count:,} {dtype.name} tokens "
                         f"= {expected:,} bytes; {found}. {redo}")
     tokens = np.memmap(path, dtype=dtype, mode="r")
-    largest = int(tokens.max())
-    if largest >= meta["vocab_size"]:
-        raise DataError(f"{path} holds token id {largest}, outside the vocabulary of "
-                        f"{meta['vocab_size']} (wrong dtype or a different tokenizer?). {redo}")
+    # Both ends, so a signed TOKEN_DTYPES entry added later cannot let a negative id through.
+    for token_id in (int(tokens.min()), int(tokens.max())):
+        if not 0 <= token_id < meta["vocab_size"]:
+            raise DataError(f"{path} holds token id {token_id}, outside the vocabulary of {meta['vocab_size']} "
+                            f"(ids 0 to {meta['vocab_size'] - 1}; wrong dtype or a different tokenizer?). {redo}")
     if len(tokens) <= block_size:
         raise DataError(f"block_size={block_size} needs at least {block_size + 1} tokens per sample, "
                         f"but {path} has {len(tokens):,}; use a smaller block_size")

@@ -92,6 +92,33 @@ def test_packed_attention_triton_limits():
         packed_attention(torch.randn(1, 8, 3, 1, 16, dtype=torch.float64), backend="triton")
 
 
+UNUSABLE = [
+    ("head dim D=0", lambda: torch.randn(2, 8, 0)),
+    ("float8_e4m3fn", lambda: torch.randn(2, 8, 16).to(torch.float8_e4m3fn)),
+    ("float8_e5m2", lambda: torch.randn(2, 8, 16).to(torch.float8_e5m2)),
+    ("meta", lambda: torch.randn(2, 8, 16, device="meta")),
+]
+
+
+@pytest.mark.parametrize("backend", BACKENDS)
+@pytest.mark.parametrize("expected,make", UNUSABLE, ids=[e for e, _ in UNUSABLE])
+def test_unusable_tensors_name_the_head_dim_dtype_or_device(backend, expected, make):
+    with pytest.raises(ValueError, match="q ") as info:
+        attention(make(), make(), make(), backend=backend)
+    assert expected in str(info.value)
+
+
+@pytest.mark.parametrize("backend", BACKENDS)
+@pytest.mark.parametrize("expected,shape", [("head dim D=0", (2, 8, 3, 2, 0)), ("float8_e4m3fn", (2, 8, 3, 2, 16))])
+def test_packed_attention_unusable_tensors(backend, expected, shape):
+    qkv_tensor = torch.randn(*shape)
+    if expected.startswith("float8"):
+        qkv_tensor = qkv_tensor.to(torch.float8_e4m3fn)
+    with pytest.raises(ValueError, match="qkv ") as info:
+        packed_attention(qkv_tensor, backend=backend)
+    assert expected in str(info.value)
+
+
 def test_different_devices_are_rejected():
     meta = torch.randn(2, 8, 16, device="meta")
     with pytest.raises(ValueError, match="k is on meta"):
@@ -123,9 +150,6 @@ def test_no_keys_gives_zeros_not_nan(backend):
 @pytest.mark.parametrize("backend", BACKENDS)
 def test_huge_scores_stay_finite_and_correct(backend, dtype):
     """Scores scaled up 100x (softmax saturates to one-hot rows): finite, matching float64."""
-    if backend in ("eager", "sdpa") and dtype == torch.float16:
-        pytest.skip("eager and torch's CPU SDPA round the scores to float16 before the softmax, so near-ties "
-                    "at this scale flip; the fused backends keep scores in float32")
     g = torch.Generator().manual_seed(1)
     q1, k1, v1 = (torch.randn(1, 2, 37, 32, generator=g) for _ in range(3))
     q1, k1 = q1 * 10, k1 * 10  # scores 100x larger
@@ -138,9 +162,22 @@ def test_huge_scores_stay_finite_and_correct(backend, dtype):
     assert (o.double() - ref).abs().max() < tol
 
 
+@pytest.mark.parametrize("backend", BACKENDS)
+def test_float16_scores_past_its_range_stay_finite(backend):
+    """q and k 100x larger: scores around 1e4 * sqrt(D), past float16's 65504 before the scale.
+    Every backend must form them in float32 (eager once formed them in float16: inf, then NaN)."""
+    g = torch.Generator().manual_seed(3)
+    q1, k1 = (torch.randn(1, 2, 40, 32, generator=g) * 100 for _ in range(2))
+    v1 = torch.randn(1, 2, 40, 32, generator=g)
+    o = attention(q1.half(), k1.half(), v1.half(), backend=backend)
+    ref, _ = eager_attention_with_lse(q1.half().double(), k1.half().double(), v1.half().double())
+    assert torch.isfinite(o).all()
+    assert (o.double() - ref).abs().max() < 3e-2
+
+
 @pytest.mark.gpu
 @pytest.mark.parametrize("dtype", [torch.bfloat16, torch.float16])
-@pytest.mark.parametrize("backend", ["triton", "triton_fwd", "tiled", "sdpa"])
+@pytest.mark.parametrize("backend", ["triton", "triton_fwd", "tiled", "sdpa", "eager"])
 def test_gpu_huge_scores_stay_finite_and_correct(backend, dtype):
     g = torch.Generator().manual_seed(2)
     q1, k1, v1 = (torch.randn(2, 4, 1000, 64, generator=g) for _ in range(3))
@@ -151,3 +188,38 @@ def test_gpu_huge_scores_stay_finite_and_correct(backend, dtype):
     ref, _ = eager_attention_with_lse(q1.double(), k1.double(), v1.double(), True)
     assert torch.isfinite(o).all() and all(torch.isfinite(t.grad).all() for t in (q1, k1, v1))
     assert (o.double() - ref).abs().max() < 5e-2
+
+
+def second_order_gradients(backend, q1, k1, v1):
+    """d/d(q, k, v) of sum(dq**2), where dq = d sum(o**2) / dq: the example of issue 17."""
+    o = attention(q1, k1, v1, is_causal=True, backend=backend)
+    dq, = torch.autograd.grad((o ** 2).sum(), q1, create_graph=True)
+    return torch.autograd.grad((dq ** 2).sum(), (q1, k1, v1))
+
+
+@pytest.mark.parametrize("backend", ["eager", "sdpa"])
+def test_double_backward_matches_float64_or_is_torchs_error(backend):
+    """eager differentiates twice through autograd. sdpa does when torch picks its math kernel;
+    its fused kernels (the CPU flash kernel among them) raise torch's 'not implemented'."""
+    g = torch.Generator().manual_seed(4)
+    q1, k1, v1 = (torch.randn(1, 2, 7, 16, generator=g) for _ in range(3))
+    ref = second_order_gradients("eager", *(t.double().requires_grad_() for t in (q1, k1, v1)))
+    try:
+        got = second_order_gradients(backend, *(t.clone().requires_grad_() for t in (q1, k1, v1)))
+    except RuntimeError as e:
+        assert backend == "sdpa" and "not implemented" in str(e)
+        with torch.nn.attention.sdpa_kernel(torch.nn.attention.SDPBackend.MATH):
+            got = second_order_gradients(backend, *(t.clone().requires_grad_() for t in (q1, k1, v1)))
+    assert all(r.abs().max() > 1 for r in ref)  # second-order gradients worth comparing
+    for name, a, r in zip("qkv", got, ref):
+        assert (a.double() - r).abs().max() < 1e-3, name
+
+
+def test_tiled_double_backward_is_a_clear_error():
+    q1, k1, v1 = (torch.randn(1, 2, 7, 16, requires_grad=True) for _ in range(3))
+    with pytest.raises(RuntimeError, match="double backward is not supported by the tiled backend"):
+        second_order_gradients("tiled", q1, k1, v1)
+    # First-order gradients are unaffected.
+    o = attention(q1, k1, v1, is_causal=True, backend="tiled")
+    dq, = torch.autograd.grad((o ** 2).sum(), q1)
+    assert torch.isfinite(dq).all()

@@ -103,7 +103,8 @@ def test_sweep_marks_out_of_memory_and_skips_longer_contexts(data_dir, tmp_path)
     (["--attn=triton"], "--attn: compare.py sets it for each run; use --backends=..."),
     (["--lerning_rate=1e-3"], "unknown key --lerning_rate (did you mean 'learning_rate'?)"),
     (["--sweep_block_size=256,big"], "sweep_block_size='256,big': expected ints >= 1"),
-], ids=["backend", "attn", "train key", "sweep"])
+    (["--n_embd=48", "--n_head=2"], "attn='triton' with n_embd=48 and n_head=2: the head dim n_embd / n_head = 24"),
+], ids=["backend", "attn", "train key", "sweep", "triton head dim"])
 def test_bad_arguments_stop_before_any_run(args, message, tmp_path):
     result = run_script("compare.py", "configs/tiny.py", f"--out={tmp_path / 'out'}", *args)
     assert result.returncode == 2

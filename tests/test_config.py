@@ -4,7 +4,7 @@ from dataclasses import dataclass
 import pytest
 
 from attention import BACKENDS
-from configurator import EXIT_BAD_CONFIG, choice, parse_config
+from configurator import EXIT_BAD_CONFIG, ConfigError, choice, parse_config
 from conftest import run_script
 
 
@@ -74,3 +74,30 @@ def test_train_rejects_values_out_of_range(tmp_path):
     result = run_script("train.py", "configs/tiny.py", "--n_head=3", f"--out_dir={tmp_path / 'out'}")
     assert result.returncode == EXIT_BAD_CONFIG
     assert "n_embd=64: expected a positive multiple of n_head=3" in result.stderr
+
+
+@pytest.mark.parametrize("attn", ["triton", "triton_fwd"])
+def test_train_rejects_a_head_dim_the_triton_kernels_cannot_take(attn, tmp_path):
+    result = run_script("train.py", "configs/tiny.py", f"--attn={attn}", "--n_embd=48", "--n_head=2",
+                        f"--out_dir={tmp_path / 'out'}")
+    assert result.returncode == EXIT_BAD_CONFIG
+    assert (f"attn='{attn}' with n_embd=48 and n_head=2: the head dim n_embd / n_head = 24 must be one of "
+            "(16, 32, 64, 128)") in result.stderr
+    assert "Traceback" not in result.stderr
+    assert not (tmp_path / "out").exists()
+
+
+@pytest.mark.parametrize("seed", [-5, 2**32])
+def test_train_rejects_a_seed_outside_numpys_range(seed, tmp_path):
+    result = run_script("train.py", "configs/tiny.py", f"--seed={seed}", f"--out_dir={tmp_path / 'out'}")
+    assert result.returncode == EXIT_BAD_CONFIG
+    assert f"seed={seed}: expected an int in [0, 4294967295]" in result.stderr
+    assert "Traceback" not in result.stderr
+
+
+def test_the_seed_range_leaves_room_for_every_process():
+    """Process r seeds with seed + r: with 4 processes the largest seed is 2**32 - 4."""
+    from train_config import TrainConfig, check_config
+    check_config(TrainConfig(seed=2**32 - 4, gradient_accumulation_steps=4), world_size=4)
+    with pytest.raises(ConfigError, match=r"seed=4294967293: expected an int in \[0, 4294967292\]"):
+        check_config(TrainConfig(seed=2**32 - 3, gradient_accumulation_steps=4), world_size=4)

@@ -12,12 +12,17 @@ tell a truncated or wrong-dtype file from a good one.
 Every file is written to a temporary name in the same folder and renamed into place, so a
 run killed half way leaves either the old file or the new one, never a torn one; meta.json
 is removed first and written last, so its presence means the bins beside it are complete.
-Running the script twice is harmless.
+Running the script twice is harmless, and so is running it several times at once: each
+preparation holds a lock on the folder (flock, released by the OS if the process dies) and
+writes temporary files of unique names.
 """
 import argparse
+import contextlib
+import fcntl
 import json
 import os
 import sys
+import uuid
 import urllib.error
 import urllib.request
 
@@ -35,9 +40,36 @@ class PrepareError(RuntimeError):
     pass
 
 
-def prepare(out_dir=DEFAULT_OUT_DIR, input_path=None):
-    """Write train.bin, val.bin and meta.json into out_dir; return the meta dict."""
+OUTPUT_NAMES = ("train.bin", "val.bin", "meta.json")
+
+
+def prepare(out_dir=DEFAULT_OUT_DIR, input_path=None, if_missing=False):
+    """Write train.bin, val.bin and meta.json into out_dir; return the meta dict.
+
+    if_missing=True leaves a folder that holds all three files as it is and returns None:
+    for callers that found the folder unprepared and may have waited for the lock while
+    another process prepared it (re-preparing would delete the meta.json that process is
+    about to read)."""
     os.makedirs(out_dir, exist_ok=True)
+    with folder_lock(out_dir):
+        if if_missing and all(os.path.exists(os.path.join(out_dir, name)) for name in OUTPUT_NAMES):
+            return None
+        return write_dataset(out_dir, input_path)
+
+
+@contextlib.contextmanager
+def folder_lock(path):
+    """Exclusive use of a folder among processes that ask for it, without a lock file to leave
+    behind: flock on the folder itself."""
+    fd = os.open(path, os.O_RDONLY)
+    try:
+        fcntl.flock(fd, fcntl.LOCK_EX)
+        yield
+    finally:
+        os.close(fd)  # closing releases the lock
+
+
+def write_dataset(out_dir, input_path):
     text = read_text(find_input(out_dir, input_path))
     encoder = load_encoder()
     split_at = int(len(text) * TRAIN_FRACTION)
@@ -107,13 +139,20 @@ def load_encoder():
 
 
 def write_atomically(path, payload):
-    """Write bytes to path so that a crash at any moment leaves the old file or the new one."""
-    tmp_path = path + ".tmp"
-    with open(tmp_path, "wb") as f:
-        f.write(payload)
-        f.flush()
-        os.fsync(f.fileno())
-    os.replace(tmp_path, path)
+    """Write bytes to path so that a crash at any moment leaves the old file or the new one.
+    The temporary file's name is unique, so no other writer can remove or rename it. (Not
+    tempfile.mkstemp: its files are private to the user, 0600, and so would the data be.)"""
+    tmp_path = f"{path}.{uuid.uuid4().hex}.tmp"
+    try:
+        with open(tmp_path, "xb") as f:
+            f.write(payload)
+            f.flush()
+            os.fsync(f.fileno())
+        os.replace(tmp_path, path)
+    except BaseException:
+        with contextlib.suppress(FileNotFoundError):
+            os.remove(tmp_path)
+        raise
 
 
 def main():
