@@ -2,6 +2,7 @@
 and the tuning that picks a config per shape. (Whether the kernels are compiled or
 interpreted is decided in attention/__init__.py.)"""
 import os
+import sys
 import warnings
 
 import torch
@@ -56,7 +57,22 @@ def check_kernel_device(t):
         if not INTERPRETING:
             raise ValueError("q is a CPU tensor but the Triton kernels were compiled for the GPU; set "
                              "TRITON_INTERPRET=1 before importing attention to run them on the CPU")
-        warnings.warn("Triton attention on CPU runs through the Triton interpreter: correct but slow", stacklevel=4)
+        warnings.warn("Triton attention on CPU runs through the Triton interpreter: correct but slow",
+                      stacklevel=_caller_stacklevel())
+
+
+# Frames a warning should not be attributed to: the libraries between the caller's attention
+# call and the warning, and the code torch.compile generates (file names like "<eval_with_key>").
+_LIBRARY_DIRS = tuple(os.path.dirname(module.__file__) for module in (torch, triton)) + (os.path.dirname(__file__),)
+
+
+def _caller_stacklevel():
+    """warnings.warn's stacklevel for the innermost frame of the code that called attention
+    (a script, model.py, a test), past torch, triton, this package and generated code."""
+    frame, level = sys._getframe(1), 1
+    while frame.f_back is not None and frame.f_code.co_filename.startswith((*_LIBRARY_DIRS, "<")):
+        frame, level = frame.f_back, level + 1
+    return level
 
 
 def has_tma(device):

@@ -12,11 +12,12 @@ use TF32 tensor cores (10-bit mantissa), so float32 is held to 1e-2 there.
 import pytest
 import torch
 
-from attention import (BACKENDS, FlashAttentionPytorch, FlashAttentionTriton, FlashAttentionTritonFwd,
-                       FlashAttentionTritonPacked, attention, packed_attention)
+from attention import (BACKENDS, FlashAttentionPytorch, attention, packed_attention, triton_attention,
+                       triton_fwd_attention)
 from attention.eager import eager_attention_with_lse
 from attention.tiled import tiled_forward
 from attention.triton_backward import DKDV_CONFIGS, DQ_CONFIGS, dkdv_smem_rows, dq_smem_rows, flash_backward
+from attention.flash_triton import unpack_heads
 from attention.triton_common import TunedKernel, descriptor_ready, prune_configs
 from attention.triton_forward import FORWARD_CONFIGS, flash_forward, forward_smem_rows
 
@@ -144,7 +145,7 @@ def test_packed_triton_keeps_one_autograd_node_and_contiguous_tensors():
     y = packed_attention(qkv, is_causal=True, backend="triton")
     assert y.is_contiguous()
     node = y.grad_fn
-    assert node.name().startswith(FlashAttentionTritonPacked.__name__)
+    assert "nanofa2_triton_packed_attention" in node.name()
     assert len(node.next_functions) == 1 and node.next_functions[0][0].variable is qkv
     saved_qkv, saved_o, saved_l = node.saved_tensors
     assert saved_qkv.data_ptr() == qkv.data_ptr() and saved_l.dtype == torch.float32
@@ -261,10 +262,10 @@ def test_logsumexp_matches_reference(shape_q, n_k, is_causal):
     assert_close(lse, lse_ref, 1e-5, "triton L")
 
 
-@pytest.mark.parametrize("function", [FlashAttentionPytorch, FlashAttentionTriton, FlashAttentionTritonFwd])
+@pytest.mark.parametrize("function", [FlashAttentionPytorch.apply, triton_attention, triton_fwd_attention])
 def test_saves_exactly_q_k_v_o_l(function):
     q, k, v = random_qkv((2, 3, 33, 32), 20)
-    o = function.apply(q, k, v, True)
+    o = function(q, k, v, True)
     saved = o.grad_fn.saved_tensors
     assert len(saved) == 5
     for got, want in zip(saved[:3], (q, k, v)):
@@ -325,6 +326,63 @@ def test_triton_gradients_come_from_triton_kernels(monkeypatch):
     attention(q, k, v, True, "triton_fwd").sum().backward()
     with pytest.raises(AssertionError, match="wrong backward"):
         attention(q, k, v, True, "triton").sum().backward()
+
+
+def projection_views(B=1, N=17, H=2, D=16, seed=0):
+    """q, k, v as the model makes them: (B, H, N, D) views of one (B, N, 3, H, D) projection."""
+    qkv = torch.randn(B, N, 3, H, D, generator=torch.Generator().manual_seed(seed))
+    return unpack_heads(qkv)
+
+
+def test_custom_ops_pass_opcheck():
+    """Schema, fake (meta) implementation with the real outputs' strides, autograd registration
+    and AOT dispatch, for every op, on the model's strided views and on contiguous tensors."""
+    q, k, v = projection_views()
+    do = torch.randn(1, 2, 17, 16)
+    for op in (torch.ops.nanofa2.triton_attention, torch.ops.nanofa2.triton_fwd_attention):
+        for args in ((q, k, v, True), (q.contiguous(), k.contiguous(), v.contiguous(), False)):
+            torch.library.opcheck(op, (*(t.detach().requires_grad_() for t in args[:3]), args[3]))
+    o, lse = torch.ops.nanofa2.triton_attention(q, k, v, True)
+    for op in (torch.ops.nanofa2.triton_attention_backward, torch.ops.nanofa2.recompute_attention_backward):
+        torch.library.opcheck(op, (q, k, v, o, do, lse, True))
+    qkv = torch.randn(2, 17, 3, 2, 16)
+    torch.library.opcheck(torch.ops.nanofa2.triton_packed_attention, (qkv.requires_grad_(), True))
+    o, lse = torch.ops.nanofa2.triton_packed_attention(qkv.detach(), True)
+    torch.library.opcheck(torch.ops.nanofa2.triton_packed_attention_backward,
+                          (qkv.detach(), o, torch.randn_like(o), lse, True))
+
+
+@pytest.mark.parametrize("backend", ["triton", "triton_fwd", "packed"])
+def test_double_backward_raises_a_clear_error(backend):
+    """A second-order gradient through a Triton backend must fail loudly, never be a wrong number."""
+    q, k, v = random_qkv((1, 2, 20, 16), 20)
+    if backend == "packed":
+        qkv = torch.stack((q, k, v), dim=2).transpose(1, 3).detach().requires_grad_()  # (B, N, 3, H, D)
+        inputs, o = qkv, packed_attention(qkv, is_causal=True, backend="triton")
+    else:
+        inputs, o = q, attention(q, k, v, True, backend)
+    first, = torch.autograd.grad((o ** 2).sum(), inputs, create_graph=True)
+    name = "triton" if backend == "packed" else backend
+    with pytest.raises(RuntimeError, match=f"double backward is not supported by the {name} backend"):
+        (first ** 2).sum().backward()
+
+
+@pytest.mark.parametrize("backend", ["triton", "triton_fwd", "packed"])
+def test_bfloat16_on_cpu_matches_float64_reference(backend):
+    """The interpreter's tl.dot on bf16 is garbage: on the CPU, bf16 runs in float32 and is rounded."""
+    if backend == "packed":
+        qkv = torch.randn(1, 33, 3, 2, 32, generator=torch.Generator().manual_seed(7)).bfloat16().requires_grad_()
+        check_packed("triton", qkv, True, TOLERANCE[torch.bfloat16])
+    else:
+        q, k, v = random_qkv((1, 2, 33, 32), 33, dtype=torch.bfloat16, seed=7)
+        check_backend(backend, q, k, v, True, TOLERANCE[torch.bfloat16])
+
+
+def test_interpreter_warning_names_the_callers_line():
+    q, k, v = random_qkv((1, 1, 16, 16), 16)
+    with pytest.warns(UserWarning, match="Triton interpreter") as record:
+        attention(q, k, v, True, "triton")
+    assert record[0].filename == __file__
 
 
 # ---------------------------------------------------------------- GPU (run on the H200)
