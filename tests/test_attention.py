@@ -9,6 +9,8 @@ computes in float32 (the interpreter's dots are exact float32); float16 2e-2 and
 4e-2, from rounding P and the outputs to 8 or 11 significant bits. On the GPU, float32 dots
 use TF32 tensor cores (10-bit mantissa), so float32 is held to 1e-2 there.
 """
+import json
+
 import pytest
 import torch
 
@@ -18,7 +20,8 @@ from attention.eager import eager_attention_with_lse
 from attention.tiled import tiled_forward
 from attention.triton_backward import DKDV_CONFIGS, DQ_CONFIGS, dkdv_smem_rows, dq_smem_rows, flash_backward
 from attention.flash_triton import unpack_heads
-from attention.triton_common import TunedKernel, descriptor_ready, prune_configs
+from attention import triton_common
+from attention.triton_common import TunedKernel, TuningKey, descriptor_ready, prune_configs
 from attention.triton_forward import FORWARD_CONFIGS, flash_forward, forward_smem_rows
 
 import triton  # noqa: E402, I001  (after attention, which decides whether Triton interprets)
@@ -157,6 +160,8 @@ class FakeKernel:
     """Stands in for a Triton kernel to check TunedKernel's launch cache: kernel[grid](...) records
     a full launch and returns a stand-in compiled kernel, whose [grid](...) records a direct one."""
     arg_names = ["X", "n", "BLOCK_M"]
+    __name__ = "fake_kernel"
+    last_config = None  # the config of the latest full launch of any FakeKernel
 
     def __init__(self):
         self.launches = []
@@ -164,6 +169,7 @@ class FakeKernel:
     def __getitem__(self, grid):
         def full_launch(*args, **kwargs):
             self.launches.append("full")
+            FakeKernel.last_config = kwargs
             return self.Compiled(self)
         return full_launch
 
@@ -180,15 +186,69 @@ def test_tuned_kernel_reuses_a_compiled_kernel_only_for_the_same_launch():
     tuned = TunedKernel(kernel, [triton.Config({"BLOCK_M": 16, "BLOCK_N": 16, "USE_TMA": False})], lambda config: (0, 0))
     x = torch.randn(64, 16)
     grid = lambda meta: (64 // meta["BLOCK_M"], 1)
-    tuned(grid, "key", x, 64)                            # the first launch: full
-    tuned(grid, "key", torch.randn(64, 16), 64)          # the same launch on other data: direct
-    tuned(grid, "key", x, 32)                            # another scalar: full
-    tuned(lambda meta: (2, 1), "key", x, 64)             # another grid: full
-    tuned(grid, "key", torch.randn(1025)[1:].view(64, 16), 64)  # a tensor off 16-byte alignment: full
+    key = TuningKey(64, 64, 16, True, torch.float32)
+    tuned(grid, key, x, 64)                            # the first launch: full
+    tuned(grid, key, torch.randn(64, 16), 64)          # the same launch on other data: direct
+    tuned(grid, key, x, 32)                            # another scalar: full
+    tuned(lambda meta: (2, 1), key, x, 64)             # another grid: full
+    tuned(grid, key, torch.randn(1025)[1:].view(64, 16), 64)  # a tensor off 16-byte alignment: full
     assert [launch if launch == "full" else launch[0] for launch in kernel.launches] == \
         ["full", "direct", "full", "full", "full"]
     _, grid_size, args = kernel.launches[1]
     assert grid_size == (4, 1, 1) and args[1:] == (64, 16)  # the scalar, then the constexpr BLOCK_M
+
+
+TIMING_CONFIGS = [triton.Config({"BLOCK_M": m, "BLOCK_N": n, "USE_TMA": False}, num_warps=4, num_stages=2)
+                  for m, n in ((16, 16), (32, 16), (128, 16))]
+
+
+@pytest.fixture
+def timed_configs(tmp_path, monkeypatch):
+    """TunedKernel on a FakeKernel as on a GPU (several candidates to time; the interpreter has
+    one), its choices persisted under tmp_path. Returns the list of timed configs' BLOCK_M: the
+    stand-in do_bench runs the launch once and reports BLOCK_M 32 as the fastest."""
+    monkeypatch.setenv(triton_common.TUNING_CACHE_ENV, str(tmp_path))
+    monkeypatch.setattr(triton_common, "INTERPRETING", False)
+    timed = []
+
+    def fake_do_bench(fn, **kwargs):
+        fn()
+        block_m = FakeKernel.last_config["BLOCK_M"]
+        timed.append(block_m)
+        return abs(block_m - 32) + 1.0
+    monkeypatch.setattr(triton.testing, "do_bench", fake_do_bench)
+    return timed
+
+
+def test_tuning_is_persisted_and_a_second_process_does_not_tune(timed_configs, tmp_path):
+    x, grid = torch.randn(64, 16), lambda meta: (1, 1)
+    key = TuningKey(128, 128, 16, True, torch.float32)
+    first = TunedKernel(FakeKernel(), TIMING_CONFIGS, lambda config: (0, 0))
+    first(grid, key, x, 64)
+    first(grid, key, x, 64)
+    assert first.tunings == 1 and timed_configs == [16, 32, 128]  # once per key; every tile fits N = 128
+    assert FakeKernel.last_config["BLOCK_M"] == 32
+    [path] = tmp_path.glob("tuning-*.json")
+    assert "torch" in path.name and "triton" in path.name
+    assert json.loads(path.read_text()) == {f"fake_kernel {tuple(key)}": {"BLOCK_M": 32, "BLOCK_N": 16, "USE_TMA": False,
+                                                                          "num_warps": 4, "num_stages": 2}}
+    second = TunedKernel(FakeKernel(), TIMING_CONFIGS, lambda config: (0, 0))  # all a new process has: the file
+    second(grid, key, x, 64)
+    assert second.tunings == 0 and len(timed_configs) == 3 and FakeKernel.last_config["BLOCK_M"] == 32
+    # A short sequence does not time tiles longer than itself.
+    second(grid, TuningKey(16, 16, 16, True, torch.float32), x, 64)
+    assert second.tunings == 0 and FakeKernel.last_config["BLOCK_M"] == 16  # the only candidate left
+    second(grid, TuningKey(32, 64, 16, True, torch.float32), x, 64)
+    assert second.tunings == 1 and timed_configs[3:] == [16, 32]
+    assert len(json.loads(path.read_text())) == 2  # both choices kept
+
+
+def test_tuning_never_times_inside_a_cuda_graph_capture(timed_configs, monkeypatch):
+    monkeypatch.setattr(triton_common, "capturing", lambda device: True)
+    tuned = TunedKernel(FakeKernel(), TIMING_CONFIGS, lambda config: (0, 0))
+    tuned(lambda meta: (1, 1), TuningKey(64, 64, 16, True, torch.float32), torch.randn(64, 16), 64)
+    assert tuned.tunings == 0 and timed_configs == [] and tuned.kernel.launches == ["full"]
+    assert FakeKernel.last_config["BLOCK_M"] == 16  # the first candidate
 
 
 @pytest.mark.parametrize("backend", ["triton", "triton_fwd"])
