@@ -112,6 +112,19 @@ def check_same_shape(saved_args, model_args, path):
                               "Resume with the config it was trained with, or train from scratch in another out_dir")
 
 
+def compile_model(model, mode):
+    """torch.compile(model, mode=mode). With CUDA graphs (reduce-overhead, max-autotune) a
+    parameter's gradient would come out of the graph's memory, which the next micro-batch's
+    replay overwrites: autograd keeps the first micro-batch's gradient tensor as .grad and adds
+    the later ones to it, so accumulated gradients would be silently wrong (pytorch issue 96693).
+    A hook hands autograd a copy instead. (On the CPU there are no CUDA graphs; the copy is cheap.)"""
+    if mode in ("reduce-overhead", "max-autotune"):
+        for param in model.parameters():
+            if param.requires_grad:
+                param.register_hook(torch.clone)
+    return torch.compile(model, mode=mode)
+
+
 class StopSignals:
     """SIGINT (Ctrl-C) and SIGTERM (`kill`, job schedulers) ask the loop to stop at the next
     iteration boundary, the one point where model, optimizer and random streams agree, so
@@ -148,6 +161,8 @@ def estimate_loss(model, batches, config, amp):
         total = 0.0
         for _ in range(config.eval_iters):
             x, y = batches.get(split, generator)
+            if config.compile:
+                torch.compiler.cudagraph_mark_step_begin()  # see train_step
             with amp:
                 _, loss = model(x, y)
             total += loss.item()
@@ -176,6 +191,11 @@ def train_step(model, optimizer, scaler, batches, sampler, config, amp, device, 
     for micro_step in range(micro_steps):
         x, y = batches.get("train", sampler)
         accumulate_only = world.distributed and micro_step < micro_steps - 1
+        if config.compile:
+            # Under CUDA graphs (compile_mode reduce-overhead, max-autotune) each replay reuses the
+            # memory of the previous one's outputs: this says the previous micro-batch is done with
+            # them (its loss was read, its backward ran), so the replay may overwrite them.
+            torch.compiler.cudagraph_mark_step_begin()
         with model.no_sync() if accumulate_only else contextlib.nullcontext():
             with amp:
                 _, loss = model(x, y)
@@ -264,7 +284,7 @@ def run(config, world):
 
     raw_model = model
     if config.compile:
-        model = torch.compile(model)
+        model = compile_model(model, config.compile_mode)
     # Rank 0 evaluates `model` on its own; training goes through the DDP wrapper, which
     # averages gradients across the processes.
     train_model = model

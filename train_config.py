@@ -7,6 +7,8 @@ from dataclasses import dataclass
 from attention import BACKENDS
 from configurator import ConfigError, choice
 
+COMPILE_MODES = ("default", "reduce-overhead", "max-autotune", "max-autotune-no-cudagraphs")
+
 
 @dataclass
 class TrainConfig:
@@ -47,6 +49,8 @@ class TrainConfig:
     device: str = choice("auto", ("auto", "cpu", "cuda"))
     dtype: str = choice("auto", ("auto", "float32", "bfloat16", "float16"))
     compile: bool = False  # torch.compile the model
+    # torch.compile's mode when compile=True; reduce-overhead and max-autotune replay CUDA graphs (none on the CPU)
+    compile_mode: str = choice("default", COMPILE_MODES)
     max_memory_gb: float = 0.0  # cap torch's CUDA memory at this many GiB, e.g. 12 to act as a 12 GB card; 0: no cap
     seed: int = 1337
 
