@@ -42,7 +42,7 @@ from ddp import World
 from devices import (EXIT_OUT_OF_MEMORY, DeviceError, autocast, cap_memory, peak_flops, peak_memory_mb, pick_device,
                      pick_dtype, synchronize)
 from metrics import append_metrics, reset_metrics, write_run_config
-from model import GPT, GPTConfig
+from model import GPT, GPTConfig, compile_model
 from train_config import TrainConfig, check_config
 
 
@@ -110,19 +110,6 @@ def check_same_shape(saved_args, model_args, path):
     if differences:
         raise CheckpointError(f"{path} holds a model of a different shape ({'; '.join(differences)}). "
                               "Resume with the config it was trained with, or train from scratch in another out_dir")
-
-
-def compile_model(model, mode):
-    """torch.compile(model, mode=mode). With CUDA graphs (reduce-overhead, max-autotune) a
-    parameter's gradient would come out of the graph's memory, which the next micro-batch's
-    replay overwrites: autograd keeps the first micro-batch's gradient tensor as .grad and adds
-    the later ones to it, so accumulated gradients would be silently wrong (pytorch issue 96693).
-    A hook hands autograd a copy instead. (On the CPU there are no CUDA graphs; the copy is cheap.)"""
-    if mode in ("reduce-overhead", "max-autotune"):
-        for param in model.parameters():
-            if param.requires_grad:
-                param.register_hook(torch.clone)
-    return torch.compile(model, mode=mode)
 
 
 class StopSignals:
