@@ -67,7 +67,7 @@ def check_kernel_device(t):
 
 # Frames a warning should not be attributed to: the libraries between the caller's attention
 # call and the warning, and the code torch.compile generates (file names like "<eval_with_key>").
-_LIBRARY_DIRS = tuple(os.path.dirname(module.__file__) for module in (torch, triton)) + (os.path.dirname(__file__),)
+_LIBRARY_DIRS = tuple(os.path.dirname(path) + os.sep for path in (torch.__file__, triton.__file__, __file__))
 
 
 def _caller_stacklevel():
