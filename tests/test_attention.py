@@ -230,8 +230,8 @@ def test_tuning_is_persisted_and_a_second_process_does_not_tune(timed_configs, t
     assert FakeKernel.last_config["BLOCK_M"] == 32
     [path] = tmp_path.glob("tuning-*.json")
     assert "torch" in path.name and "triton" in path.name
-    assert json.loads(path.read_text()) == {f"fake_kernel {tuple(key)}": {"BLOCK_M": 32, "BLOCK_N": 16, "USE_TMA": False,
-                                                                          "num_warps": 4, "num_stages": 2}}
+    saved = {"BLOCK_M": 32, "BLOCK_N": 16, "USE_TMA": False, "num_warps": 4, "num_stages": 2}
+    assert json.loads(path.read_text()) == {f"fake_kernel {tuple(key)}": saved}
     second = TunedKernel(FakeKernel(), TIMING_CONFIGS, lambda config: (0, 0))  # all a new process has: the file
     second(grid, key, x, 64)
     assert second.tunings == 0 and len(timed_configs) == 3 and FakeKernel.last_config["BLOCK_M"] == 32
