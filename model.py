@@ -250,3 +250,17 @@ class GPT(nn.Module):
             next_token = torch.multinomial(F.softmax(logits, dim=-1), num_samples=1)
             idx = torch.cat((idx, next_token), dim=1)
         return idx
+
+
+def compile_model(model, mode):
+    """torch.compile(model, mode=mode). With CUDA graphs (reduce-overhead, max-autotune) a
+    parameter's gradient would come out of the graph's memory, which the next micro-batch's
+    replay overwrites: autograd keeps the first micro-batch's gradient tensor as .grad and adds
+    the later ones to it, so accumulated gradients would be silently wrong (pytorch issue 96693).
+    A hook hands autograd a copy instead. (On the CPU there are no CUDA graphs.) train.py calls
+    torch.compiler.cudagraph_mark_step_begin() before every forward for the same reason."""
+    if mode in ("reduce-overhead", "max-autotune"):
+        for param in model.parameters():
+            if param.requires_grad:
+                param.register_hook(torch.clone)
+    return torch.compile(model, mode=mode)

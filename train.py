@@ -44,7 +44,7 @@ from ddp import World
 from devices import (EXIT_OUT_OF_MEMORY, DeviceError, autocast, cap_memory, peak_flops, peak_memory_mb, pick_device,
                      pick_dtype, synchronize)
 from metrics import METRICS_NAME, append_metrics, reset_metrics, write_run_config
-from model import GPT, GPTConfig
+from model import GPT, GPTConfig, compile_model
 from train_config import TrainConfig, check_config
 
 
@@ -212,6 +212,8 @@ def estimate_loss(model, batches, config, amp, stop, it):
                 model.train()
                 return None
             x, y = batches.get(split, generator)
+            if config.compile:
+                torch.compiler.cudagraph_mark_step_begin()  # see train_step
             with amp:
                 _, loss = model(x, y)
             total += loss.item()
@@ -255,6 +257,11 @@ def train_step(model, optimizer, scaler, batches, sampler, config, amp, device, 
     for micro_step in range(micro_steps):
         x, y = batches.get("train", sampler)
         accumulate_only = world.distributed and micro_step < micro_steps - 1
+        if config.compile:
+            # Under CUDA graphs (compile_mode reduce-overhead, max-autotune) each replay reuses the
+            # memory of the previous one's outputs: this says the previous micro-batch is done with
+            # them (its loss was read, its backward ran), so the replay may overwrite them.
+            torch.compiler.cudagraph_mark_step_begin()
         with model.no_sync() if accumulate_only else contextlib.nullcontext():
             with amp:
                 _, loss = model(x, y)
@@ -345,7 +352,7 @@ def run(config, world):
 
     raw_model = model
     if config.compile:
-        model = torch.compile(model)
+        model = compile_model(model, config.compile_mode)
     # Rank 0 evaluates `model` on its own; training goes through the DDP wrapper, which
     # averages gradients across the processes.
     train_model = model

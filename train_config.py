@@ -10,6 +10,7 @@ from configurator import ConfigError, choice
 
 TRITON_BACKENDS = ("triton", "triton_fwd")
 MAX_SEED = 2**32 - 1  # numpy.random.seed takes [0, 2**32 - 1]
+COMPILE_MODES = ("default", "reduce-overhead", "max-autotune", "max-autotune-no-cudagraphs")
 
 
 @dataclass
@@ -52,6 +53,8 @@ class TrainConfig:
     device: str = choice("auto", ("auto", "cpu", "cuda"))
     dtype: str = choice("auto", ("auto", "float32", "bfloat16", "float16"))
     compile: bool = False  # torch.compile the model
+    # torch.compile's mode when compile=True; reduce-overhead and max-autotune replay CUDA graphs (none on the CPU)
+    compile_mode: str = choice("default", COMPILE_MODES)
     max_memory_gb: float = 0.0  # cap torch's CUDA memory at this many GiB, e.g. 12 to act as a 12 GB card; 0: no cap
     seed: int = 1337
 

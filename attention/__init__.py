@@ -12,6 +12,11 @@ packed_attention takes the fused projection a GPT makes, qkv of shape (B, N, 3, 
 returns (B, N, H, D): the same attention, but the triton backend then reads q, k and v out of
 qkv in place and hands autograd one node instead of six (see flash_triton.py).
 
+Every backend traces under torch.compile: the Triton kernels are custom operators
+(torch.ops.nanofa2.*, opaque on every device; flash_triton.py says why), so a compiled model
+with triton or triton_fwd is one graph. tiled, the Python loop, may break the graph but compiles
+and trains correctly.
+
 Backends:
   eager       materialised softmax; the reference the others are tested against
   tiled       FlashAttention-2 forward as a tiled PyTorch loop (teaching version)
@@ -34,27 +39,23 @@ if not torch.cuda.is_available() and "TRITON_INTERPRET" not in os.environ:
     os.environ["TRITON_INTERPRET"] = "1"
 
 from .eager import eager_attention, eager_attention_with_lse  # noqa: E402
-from .flash_triton import FlashAttentionTriton, FlashAttentionTritonFwd, FlashAttentionTritonPacked, unpack_heads  # noqa: E402
+from .flash_triton import triton_attention, triton_fwd_attention, triton_packed_attention, unpack_heads  # noqa: E402
 from .inputs import check_inputs, check_packed_inputs  # noqa: E402
 from .sdpa import sdpa_attention  # noqa: E402
 from .tiled import FlashAttentionPytorch  # noqa: E402
 
 __all__ = ["BACKENDS", "attention", "packed_attention", "eager_attention", "eager_attention_with_lse", "sdpa_attention",
-           "FlashAttentionPytorch", "FlashAttentionTriton", "FlashAttentionTritonFwd",
-           "FlashAttentionTritonPacked"]
+           "FlashAttentionPytorch", "triton_attention", "triton_fwd_attention", "triton_packed_attention"]
 
 BACKENDS = ("eager", "tiled", "triton", "triton_fwd", "sdpa")
 
-# torch.compile cannot trace Triton's launcher (and must not re-compile our kernels): inside a
-# compiled model the Triton backends run as they are, between the compiled graphs.
 _BACKEND_FUNCTIONS = {
     "eager": eager_attention,
     "tiled": FlashAttentionPytorch.apply,
-    "triton": torch.compiler.disable(FlashAttentionTriton.apply),
-    "triton_fwd": torch.compiler.disable(FlashAttentionTritonFwd.apply),
+    "triton": triton_attention,
+    "triton_fwd": triton_fwd_attention,
     "sdpa": sdpa_attention,
 }
-_PACKED_TRITON = torch.compiler.disable(FlashAttentionTritonPacked.apply)
 
 
 def attention(q, k, v, is_causal=False, backend="triton"):
@@ -71,5 +72,5 @@ def packed_attention(qkv, is_causal=False, backend="triton"):
         raise ValueError(f"backend={backend!r} is not one of {BACKENDS}")
     check_packed_inputs(qkv, is_causal)
     if backend == "triton":
-        return _PACKED_TRITON(qkv, is_causal)
+        return triton_packed_attention(qkv, is_causal)
     return _BACKEND_FUNCTIONS[backend](*unpack_heads(qkv), is_causal).transpose(1, 2)

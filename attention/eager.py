@@ -20,13 +20,13 @@ def causal_mask(n_q, n_k, device=None):
 
 
 def eager_attention_with_lse(q, k, v, is_causal=False):
-    """O = softmax(Q K^T / sqrt(D)) V and L = logsumexp of the scaled scores (natural log).
+    """O = softmax(Q K^T / sqrt(D)) V and lse = logsumexp of the scaled scores (natural log).
 
     q (..., N_q, D), k and v (..., N_k, D). The scores Q K^T and the softmax run in float32
     (or float64 for float64 inputs): float16 scores overflow past 65504 and round near-ties
     apart long before that, which the kernels avoid by keeping their score tiles in float32.
     Autocast is switched off for that product, or it would cast it back to 16 bits. P is cast
-    to V's dtype for the product with V, as the kernels do. L is float32 (float64 for float64
+    to V's dtype for the product with V, as the kernels do. lse is float32 (float64 for float64
     inputs), shape q.shape[:-1].
     """
     scale = 1.0 / math.sqrt(q.shape[-1])

@@ -16,7 +16,7 @@ import torch
 import triton
 import triton.language as tl
 
-from .triton_common import TunedKernel, set_tma_scratch_allocator, tuning_key
+from .triton_common import INTERPRETING, TunedKernel, descriptor_ready, set_tma_scratch_allocator, tuning_key
 from .triton_forward import LOG2_E, _head_matrix, _key_tile_bounds, _load_tile, _query_tile_start, _store_tile
 
 KERNEL_LOG2_E = tl.constexpr(LOG2_E)  # the same number, usable inside kernels
@@ -186,6 +186,10 @@ def flash_backward(q, k, v, o, do, lse, is_causal, out=None, dkdv_config=None, d
     B, H, N_Q, D = q.shape
     N_K = k.shape[2]
     dq, dk, dv = out if out is not None else (torch.empty_like(q), torch.empty_like(k), torch.empty_like(v))
+    if INTERPRETING and q.dtype == torch.bfloat16:  # as in flash_forward: the interpreter's bf16 dot is garbage
+        grads32 = flash_backward(*(descriptor_ready(t.float()) for t in (q, k, v, o, do)), lse, is_causal,
+                                 dkdv_config=dkdv_config, dq_config=dq_config)
+        return tuple(g.copy_(g32) for g, g32 in zip((dq, dk, dv), grads32))
     if B * H * N_Q * N_K == 0:  # no query or no key: every gradient is zero
         return dq.zero_(), dk.zero_(), dv.zero_()
     set_tma_scratch_allocator()

@@ -1,8 +1,13 @@
 """What the Triton kernels share: layout checks, the interpreter warning, tile-config limits
 and the tuning that picks a config per shape. (Whether the kernels are compiled or
 interpreted is decided in attention/__init__.py.)"""
+import json
 import os
+import re
+import sys
+import tempfile
 import warnings
+from typing import NamedTuple
 
 import torch
 import triton
@@ -56,7 +61,22 @@ def check_kernel_device(t):
         if not INTERPRETING:
             raise ValueError("q is a CPU tensor but the Triton kernels were compiled for the GPU; set "
                              "TRITON_INTERPRET=1 before importing attention to run them on the CPU")
-        warnings.warn("Triton attention on CPU runs through the Triton interpreter: correct but slow", stacklevel=4)
+        warnings.warn("Triton attention on CPU runs through the Triton interpreter: correct but slow",
+                      stacklevel=_caller_stacklevel())
+
+
+# Frames a warning should not be attributed to: the libraries between the caller's attention
+# call and the warning, and the code torch.compile generates (file names like "<eval_with_key>").
+_LIBRARY_DIRS = tuple(os.path.dirname(path) + os.sep for path in (torch.__file__, triton.__file__, __file__))
+
+
+def _caller_stacklevel():
+    """warnings.warn's stacklevel for the innermost frame of the code that called attention
+    (a script, model.py, a test), past torch, triton, this package and generated code."""
+    frame, level = sys._getframe(1), 1
+    while frame.f_back is not None and frame.f_code.co_filename.startswith((*_LIBRARY_DIRS, "<")):
+        frame, level = frame.f_back, level + 1
+    return level
 
 
 def has_tma(device):
@@ -64,12 +84,22 @@ def has_tma(device):
     return device.type == "cuda" and torch.cuda.get_device_capability(device)[0] >= 9
 
 
+class TuningKey(NamedTuple):
+    """What changes a kernel's fastest config: the lengths (as power-of-two buckets of at least
+    16, so a KV cache that grows by one token a step does not re-tune at every step), head dim,
+    mask and dtype."""
+    n_q: int
+    n_k: int
+    head_dim: int
+    is_causal: bool
+    dtype: torch.dtype
+
+
 def tuning_key(q, k, is_causal):
-    """What changes a kernel's fastest config: the lengths (as power-of-two buckets, so a KV cache
-    that grows by one token a step does not re-tune at every step), head dim, mask and dtype."""
     _, _, n_q, head_dim = q.shape
     n_k = k.shape[2]
-    return 1 << max(n_q - 1, 15).bit_length(), 1 << max(n_k - 1, 15).bit_length(), head_dim, is_causal, q.dtype
+    return TuningKey(1 << max(n_q - 1, 15).bit_length(), 1 << max(n_k - 1, 15).bit_length(), head_dim, is_causal,
+                     q.dtype)
 
 
 def shared_memory_limit(device):
@@ -107,33 +137,87 @@ def prune_configs(configs, q, smem_rows):
     return fits
 
 
+def capturing(device):
+    """Whether work on device is being recorded into a CUDA graph: nothing may sync or be timed."""
+    return device.type == "cuda" and torch.cuda.is_current_stream_capturing()
+
+
+# Tuning choices persist here, one JSON file per card and torch and Triton versions, so that a
+# second process does not tune at all. The folder: $NANOFA2_TUNING_CACHE, else ~/.cache/nanofa2
+# (under $XDG_CACHE_HOME when that is set).
+TUNING_CACHE_ENV = "NANOFA2_TUNING_CACHE"
+
+
+def tuning_cache_path(device):
+    folder = os.environ.get(TUNING_CACHE_ENV) or os.path.join(
+        os.environ.get("XDG_CACHE_HOME") or os.path.expanduser("~/.cache"), "nanofa2")
+    card = torch.cuda.get_device_name(device) if device.type == "cuda" else device.type
+    name = re.sub(r"[^A-Za-z0-9.]+", "-", f"{card}-torch-{torch.__version__}-triton-{triton.__version__}")
+    return os.path.join(folder, f"tuning-{name}.json")
+
+
+def load_tuning_choices(path):
+    """{kernel and tuning key: config fields}; empty when the file is missing or unreadable (then
+    the kernels tune again and the file is rewritten)."""
+    try:
+        with open(path) as f:
+            choices = json.load(f)
+        return choices if isinstance(choices, dict) else {}
+    except (OSError, ValueError):
+        return {}
+
+
+def save_tuning_choice(path, name, config):
+    """Add one choice to the file, atomically (a temporary file renamed over it): a reader never
+    sees half a file. Re-read first, so choices another process saved meanwhile are kept."""
+    os.makedirs(os.path.dirname(path), exist_ok=True)
+    choices = {**load_tuning_choices(path), name: config_fields(config)}
+    fd, tmp = tempfile.mkstemp(dir=os.path.dirname(path), prefix=".tuning-", suffix=".tmp")
+    try:
+        with os.fdopen(fd, "w") as f:
+            json.dump(choices, f, indent=1, sort_keys=True)
+        os.replace(tmp, path)
+    except BaseException:
+        os.unlink(tmp)
+        raise
+
+
+def config_fields(config):
+    return {**config.kwargs, "num_warps": config.num_warps, "num_stages": config.num_stages}
+
+
 class TunedKernel:
     """A Triton kernel launched with the fastest of its candidate configs, per tuning key.
 
-    The first launch for a key times every config that fits the card, on the real arguments (each
-    kernel writes its outputs whole, with no atomics, so running it several times is harmless).
-    triton.autotune does the same, but re-derives its key from all ~30 arguments at every launch.
+    The first launch for a key takes the choice saved on disk by an earlier process
+    (tuning_cache_path), or else times every config that fits the card and the sequence on the
+    real arguments (each kernel writes its outputs whole, with no atomics, so running it several
+    times is harmless) and saves the winner. Inside a CUDA graph capture nothing is timed (that
+    would sync and record the timing launches): a key met there for the first time, with no
+    saved choice, keeps the first candidate for the process. `tunings` counts the timed tunings.
 
-    Launching through kernel[grid](...) costs Triton's launcher about 50 us of CPU time on the
-    H200's host: it binds the ~30 arguments, re-derives what the kernel was specialised on and
-    looks the binary up. At the model's shapes the GPU would wait on that, so each launch's
-    compiled kernel is kept and later launches with the same tuning key, grid and scalar
-    arguments call it directly (about 16 us). That is safe because everything Triton specialises
-    a binary on is in that key or checked: the scalars include every int argument (strides,
-    heads, lengths), the tensors' dtype is the tuning key's, and their 16-byte alignment is
-    checked at each launch. (The interpreter returns no compiled kernel: every launch takes the
-    long way.)"""
+    Why not triton.autotune (with key, prune_configs_by and cache_results, which also persists):
+    its launches go through kernel[grid](...), which costs Triton's launcher about 50 us of CPU
+    time on the H200's host: it binds the ~30 arguments, re-derives what the kernel was
+    specialised on and looks the binary up. At the model's shapes the GPU would wait on that,
+    so here each launch's compiled kernel is kept and later launches with the same tuning key,
+    grid and scalar arguments call it directly (about 16 us; docs/optimisation.md, "The launch
+    path"). That is safe because everything Triton specialises a binary on is in that key or
+    checked: the scalars include every int argument (strides, heads, lengths), the tensors'
+    dtype is the tuning key's, and their 16-byte alignment is checked at each launch. (The
+    interpreter returns no compiled kernel: every launch takes the long way.)"""
 
     def __init__(self, kernel, configs, smem_rows):
         self.kernel, self.configs, self.smem_rows = kernel, configs, smem_rows
         self.best = {}  # tuning key -> config
         self.compiled = {}  # (tuning key, device, grid, scalars, constexprs) -> (launch, constexpr args)
+        self.tunings = 0
 
     def __call__(self, grid, key, *args, **constexprs):
         """args: the kernel's tensors, then its scalars; constexprs: the rest but the config's."""
         config = self.best.get(key)
         if config is None:
-            config = self.best[key] = self.fastest_config(grid, args, constexprs)
+            config = self.best[key] = self.choose_config(grid, key, args, constexprs)
         num_tensors = next(i for i, a in enumerate(args) if not isinstance(a, torch.Tensor))
         grid_size = grid(config.kwargs)
         launch_key = (key, args[0].get_device(), grid_size, args[num_tensors:], *constexprs.values())
@@ -149,15 +233,38 @@ class TunedKernel:
             constexpr_args = tuple(values[name] for name in self.kernel.arg_names[len(args):])
             self.compiled[launch_key] = kernel[(*grid_size, 1, 1)[:3]], constexpr_args
 
-    def fastest_config(self, grid, args, constexprs):
-        candidates = prune_configs(self.configs, args[0], self.smem_rows)
+    def candidates(self, key, q):
+        """The configs worth timing for key: those that fit q's card (prune_configs), less those
+        whose tiles are longer than the sequence (they would time mostly padding), which keeps
+        the first call at a short sequence cheap."""
+        fitting = prune_configs(self.configs, q, self.smem_rows)
+        short = [c for c in fitting if c.kwargs["BLOCK_M"] <= key.n_q and c.kwargs["BLOCK_N"] <= key.n_k]
+        return short or [min(fitting, key=lambda c: c.kwargs["BLOCK_M"] * c.kwargs["BLOCK_N"])]
+
+    def choose_config(self, grid, key, args, constexprs):
+        candidates = self.candidates(key, args[0])
         if len(candidates) == 1:
             return candidates[0]
+        device = args[0].device
+        path, name = tuning_cache_path(device), f"{self.kernel.__name__} {tuple(key)}"
+        saved = load_tuning_choices(path).get(name)
+        for config in candidates:
+            if config_fields(config) == saved:
+                return config
+        if capturing(device):
+            return candidates[0]
+        config = self.fastest_config(candidates, grid, args, constexprs)
+        save_tuning_choice(path, name, config)
+        return config
+
+    def fastest_config(self, candidates, grid, args, constexprs):
+        self.tunings += 1
 
         def median_ms(config):
             try:
+                # Short runs: the ranking needs a few repetitions, not precision to the last percent.
                 return triton.testing.do_bench(lambda: self.kernel[grid](*args, **constexprs, **config.all_kwargs()),
-                                               return_mode="median")
+                                               warmup=5, rep=20, return_mode="median")
             except (triton.runtime.errors.OutOfResources, triton.runtime.errors.PTXASError):
                 return float("inf")  # a limit of this card the shared-memory estimate missed: skip the config
         return min(candidates, key=median_ms)

@@ -13,7 +13,7 @@ import torch
 import triton
 import triton.language as tl
 
-from .triton_common import TunedKernel, set_tma_scratch_allocator, tuning_key
+from .triton_common import INTERPRETING, TunedKernel, descriptor_ready, set_tma_scratch_allocator, tuning_key
 
 LOG2_E = 1.4426950408889634
 LN_2 = tl.constexpr(0.6931471805599453)
@@ -162,15 +162,22 @@ FORWARD_CONFIGS = [
 _attn_fwd_tuned = TunedKernel(_attn_fwd, FORWARD_CONFIGS, forward_smem_rows)
 
 
-def flash_forward(q, k, v, is_causal, config=None):
+def flash_forward(q, k, v, is_causal, config=None, out=None):
     """q, k, v: (B, H, N, D) descriptor-ready views. Returns O (B, H, N_q, D) in q's dtype
-    and lse (B, H, N_q) float32. config: a triton.Config to bypass the tuning (tests, bench)."""
+    and lse (B, H, N_q) float32: written into out = (O, lse) when given (O descriptor-ready, lse
+    contiguous). config: a triton.Config to bypass the tuning (tests, bench)."""
     B, H, N_Q, D = q.shape
     N_K = k.shape[2]
     # O in q's memory order: for the model's q, a view of (B, N, 3, H, D), that is (B, N, H, D),
     # so the transpose back to (B, N, H * D) after attention costs no copy.
-    o = torch.empty_like(q)
-    lse = torch.empty((B, H, N_Q), dtype=torch.float32, device=q.device)
+    o, lse = out if out is not None else (torch.empty_like(q), torch.empty((B, H, N_Q), dtype=torch.float32,
+                                                                           device=q.device))
+    if INTERPRETING and q.dtype == torch.bfloat16:
+        # The interpreter's tl.dot returns garbage on bfloat16 (numpy has no bf16): on the CPU,
+        # bf16 runs in float32 and O is rounded to bf16 at the end.
+        o32, _ = flash_forward(*(descriptor_ready(t.float()) for t in (q, k, v)), is_causal, config,
+                               out=(torch.empty(o.shape, dtype=torch.float32), lse))
+        return o.copy_(o32), lse
     if N_K == 0:  # no key to attend to (TMA cannot describe an empty matrix): O = 0, lse = -inf
         return o.zero_(), lse.fill_(float("-inf"))
     if o.numel() == 0:

@@ -9,15 +9,19 @@ computes in float32 (the interpreter's dots are exact float32); float16 2e-2 and
 4e-2, from rounding P and the outputs to 8 or 11 significant bits. On the GPU, float32 dots
 use TF32 tensor cores (10-bit mantissa), so float32 is held to 1e-2 there.
 """
+import json
+
 import pytest
 import torch
 
-from attention import (BACKENDS, FlashAttentionPytorch, FlashAttentionTriton, FlashAttentionTritonFwd,
-                       FlashAttentionTritonPacked, attention, packed_attention)
+from attention import (BACKENDS, FlashAttentionPytorch, attention, packed_attention, triton_attention,
+                       triton_fwd_attention)
 from attention.eager import eager_attention_with_lse
 from attention.tiled import tiled_forward
 from attention.triton_backward import DKDV_CONFIGS, DQ_CONFIGS, dkdv_smem_rows, dq_smem_rows, flash_backward
-from attention.triton_common import TunedKernel, descriptor_ready, prune_configs
+from attention.flash_triton import unpack_heads
+from attention import triton_common
+from attention.triton_common import TunedKernel, TuningKey, descriptor_ready, prune_configs
 from attention.triton_forward import FORWARD_CONFIGS, flash_forward, forward_smem_rows
 
 import triton  # noqa: E402, I001  (after attention, which decides whether Triton interprets)
@@ -144,7 +148,7 @@ def test_packed_triton_keeps_one_autograd_node_and_contiguous_tensors():
     y = packed_attention(qkv, is_causal=True, backend="triton")
     assert y.is_contiguous()
     node = y.grad_fn
-    assert node.name().startswith(FlashAttentionTritonPacked.__name__)
+    assert "nanofa2_triton_packed_attention" in node.name()
     assert len(node.next_functions) == 1 and node.next_functions[0][0].variable is qkv
     saved_qkv, saved_o, saved_l = node.saved_tensors
     assert saved_qkv.data_ptr() == qkv.data_ptr() and saved_l.dtype == torch.float32
@@ -156,6 +160,8 @@ class FakeKernel:
     """Stands in for a Triton kernel to check TunedKernel's launch cache: kernel[grid](...) records
     a full launch and returns a stand-in compiled kernel, whose [grid](...) records a direct one."""
     arg_names = ["X", "n", "BLOCK_M"]
+    __name__ = "fake_kernel"
+    last_config = None  # the config of the latest full launch of any FakeKernel
 
     def __init__(self):
         self.launches = []
@@ -163,6 +169,7 @@ class FakeKernel:
     def __getitem__(self, grid):
         def full_launch(*args, **kwargs):
             self.launches.append("full")
+            FakeKernel.last_config = kwargs
             return self.Compiled(self)
         return full_launch
 
@@ -179,15 +186,69 @@ def test_tuned_kernel_reuses_a_compiled_kernel_only_for_the_same_launch():
     tuned = TunedKernel(kernel, [triton.Config({"BLOCK_M": 16, "BLOCK_N": 16, "USE_TMA": False})], lambda config: (0, 0))
     x = torch.randn(64, 16)
     grid = lambda meta: (64 // meta["BLOCK_M"], 1)
-    tuned(grid, "key", x, 64)                            # the first launch: full
-    tuned(grid, "key", torch.randn(64, 16), 64)          # the same launch on other data: direct
-    tuned(grid, "key", x, 32)                            # another scalar: full
-    tuned(lambda meta: (2, 1), "key", x, 64)             # another grid: full
-    tuned(grid, "key", torch.randn(1025)[1:].view(64, 16), 64)  # a tensor off 16-byte alignment: full
+    key = TuningKey(64, 64, 16, True, torch.float32)
+    tuned(grid, key, x, 64)                            # the first launch: full
+    tuned(grid, key, torch.randn(64, 16), 64)          # the same launch on other data: direct
+    tuned(grid, key, x, 32)                            # another scalar: full
+    tuned(lambda meta: (2, 1), key, x, 64)             # another grid: full
+    tuned(grid, key, torch.randn(1025)[1:].view(64, 16), 64)  # a tensor off 16-byte alignment: full
     assert [launch if launch == "full" else launch[0] for launch in kernel.launches] == \
         ["full", "direct", "full", "full", "full"]
     _, grid_size, args = kernel.launches[1]
     assert grid_size == (4, 1, 1) and args[1:] == (64, 16)  # the scalar, then the constexpr BLOCK_M
+
+
+TIMING_CONFIGS = [triton.Config({"BLOCK_M": m, "BLOCK_N": n, "USE_TMA": False}, num_warps=4, num_stages=2)
+                  for m, n in ((16, 16), (32, 16), (128, 16))]
+
+
+@pytest.fixture
+def timed_configs(tmp_path, monkeypatch):
+    """TunedKernel on a FakeKernel as on a GPU (several candidates to time; the interpreter has
+    one), its choices persisted under tmp_path. Returns the list of timed configs' BLOCK_M: the
+    stand-in do_bench runs the launch once and reports BLOCK_M 32 as the fastest."""
+    monkeypatch.setenv(triton_common.TUNING_CACHE_ENV, str(tmp_path))
+    monkeypatch.setattr(triton_common, "INTERPRETING", False)
+    timed = []
+
+    def fake_do_bench(fn, **kwargs):
+        fn()
+        block_m = FakeKernel.last_config["BLOCK_M"]
+        timed.append(block_m)
+        return abs(block_m - 32) + 1.0
+    monkeypatch.setattr(triton.testing, "do_bench", fake_do_bench)
+    return timed
+
+
+def test_tuning_is_persisted_and_a_second_process_does_not_tune(timed_configs, tmp_path):
+    x, grid = torch.randn(64, 16), lambda meta: (1, 1)
+    key = TuningKey(128, 128, 16, True, torch.float32)
+    first = TunedKernel(FakeKernel(), TIMING_CONFIGS, lambda config: (0, 0))
+    first(grid, key, x, 64)
+    first(grid, key, x, 64)
+    assert first.tunings == 1 and timed_configs == [16, 32, 128]  # once per key; every tile fits N = 128
+    assert FakeKernel.last_config["BLOCK_M"] == 32
+    [path] = tmp_path.glob("tuning-*.json")
+    assert "torch" in path.name and "triton" in path.name
+    saved = {"BLOCK_M": 32, "BLOCK_N": 16, "USE_TMA": False, "num_warps": 4, "num_stages": 2}
+    assert json.loads(path.read_text()) == {f"fake_kernel {tuple(key)}": saved}
+    second = TunedKernel(FakeKernel(), TIMING_CONFIGS, lambda config: (0, 0))  # all a new process has: the file
+    second(grid, key, x, 64)
+    assert second.tunings == 0 and len(timed_configs) == 3 and FakeKernel.last_config["BLOCK_M"] == 32
+    # A short sequence does not time tiles longer than itself.
+    second(grid, TuningKey(16, 16, 16, True, torch.float32), x, 64)
+    assert second.tunings == 0 and FakeKernel.last_config["BLOCK_M"] == 16  # the only candidate left
+    second(grid, TuningKey(32, 64, 16, True, torch.float32), x, 64)
+    assert second.tunings == 1 and timed_configs[3:] == [16, 32]
+    assert len(json.loads(path.read_text())) == 2  # both choices kept
+
+
+def test_tuning_never_times_inside_a_cuda_graph_capture(timed_configs, monkeypatch):
+    monkeypatch.setattr(triton_common, "capturing", lambda device: True)
+    tuned = TunedKernel(FakeKernel(), TIMING_CONFIGS, lambda config: (0, 0))
+    tuned(lambda meta: (1, 1), TuningKey(64, 64, 16, True, torch.float32), torch.randn(64, 16), 64)
+    assert tuned.tunings == 0 and timed_configs == [] and tuned.kernel.launches == ["full"]
+    assert FakeKernel.last_config["BLOCK_M"] == 16  # the first candidate
 
 
 @pytest.mark.parametrize("backend", ["triton", "triton_fwd"])
@@ -261,10 +322,10 @@ def test_logsumexp_matches_reference(shape_q, n_k, is_causal):
     assert_close(lse, lse_ref, 1e-5, "triton L")
 
 
-@pytest.mark.parametrize("function", [FlashAttentionPytorch, FlashAttentionTriton, FlashAttentionTritonFwd])
+@pytest.mark.parametrize("function", [FlashAttentionPytorch.apply, triton_attention, triton_fwd_attention])
 def test_saves_exactly_q_k_v_o_l(function):
     q, k, v = random_qkv((2, 3, 33, 32), 20)
-    o = function.apply(q, k, v, True)
+    o = function(q, k, v, True)
     saved = o.grad_fn.saved_tensors
     assert len(saved) == 5
     for got, want in zip(saved[:3], (q, k, v)):
@@ -325,6 +386,63 @@ def test_triton_gradients_come_from_triton_kernels(monkeypatch):
     attention(q, k, v, True, "triton_fwd").sum().backward()
     with pytest.raises(AssertionError, match="wrong backward"):
         attention(q, k, v, True, "triton").sum().backward()
+
+
+def projection_views(B=1, N=17, H=2, D=16, seed=0):
+    """q, k, v as the model makes them: (B, H, N, D) views of one (B, N, 3, H, D) projection."""
+    qkv = torch.randn(B, N, 3, H, D, generator=torch.Generator().manual_seed(seed))
+    return unpack_heads(qkv)
+
+
+def test_custom_ops_pass_opcheck():
+    """Schema, fake (meta) implementation with the real outputs' strides, autograd registration
+    and AOT dispatch, for every op, on the model's strided views and on contiguous tensors."""
+    q, k, v = projection_views()
+    do = torch.randn(1, 2, 17, 16)
+    for op in (torch.ops.nanofa2.triton_attention, torch.ops.nanofa2.triton_fwd_attention):
+        for args in ((q, k, v, True), (q.contiguous(), k.contiguous(), v.contiguous(), False)):
+            torch.library.opcheck(op, (*(t.detach().requires_grad_() for t in args[:3]), args[3]))
+    o, lse = torch.ops.nanofa2.triton_attention(q, k, v, True)
+    for op in (torch.ops.nanofa2.triton_attention_backward, torch.ops.nanofa2.recompute_attention_backward):
+        torch.library.opcheck(op, (q, k, v, o, do, lse, True))
+    qkv = torch.randn(2, 17, 3, 2, 16)
+    torch.library.opcheck(torch.ops.nanofa2.triton_packed_attention, (qkv.requires_grad_(), True))
+    o, lse = torch.ops.nanofa2.triton_packed_attention(qkv.detach(), True)
+    torch.library.opcheck(torch.ops.nanofa2.triton_packed_attention_backward,
+                          (qkv.detach(), o, torch.randn_like(o), lse, True))
+
+
+@pytest.mark.parametrize("backend", ["triton", "triton_fwd", "packed"])
+def test_double_backward_raises_a_clear_error(backend):
+    """A second-order gradient through a Triton backend must fail loudly, never be a wrong number."""
+    q, k, v = random_qkv((1, 2, 20, 16), 20)
+    if backend == "packed":
+        qkv = torch.stack((q, k, v), dim=2).transpose(1, 3).detach().requires_grad_()  # (B, N, 3, H, D)
+        inputs, o = qkv, packed_attention(qkv, is_causal=True, backend="triton")
+    else:
+        inputs, o = q, attention(q, k, v, True, backend)
+    first, = torch.autograd.grad((o ** 2).sum(), inputs, create_graph=True)
+    name = "triton" if backend == "packed" else backend
+    with pytest.raises(RuntimeError, match=f"double backward is not supported by the {name} backend"):
+        (first ** 2).sum().backward()
+
+
+@pytest.mark.parametrize("backend", ["triton", "triton_fwd", "packed"])
+def test_bfloat16_on_cpu_matches_float64_reference(backend):
+    """The interpreter's tl.dot on bf16 is garbage: on the CPU, bf16 runs in float32 and is rounded."""
+    if backend == "packed":
+        qkv = torch.randn(1, 33, 3, 2, 32, generator=torch.Generator().manual_seed(7)).bfloat16().requires_grad_()
+        check_packed("triton", qkv, True, TOLERANCE[torch.bfloat16])
+    else:
+        q, k, v = random_qkv((1, 2, 33, 32), 33, dtype=torch.bfloat16, seed=7)
+        check_backend(backend, q, k, v, True, TOLERANCE[torch.bfloat16])
+
+
+def test_interpreter_warning_names_the_callers_line():
+    q, k, v = random_qkv((1, 1, 16, 16), 16)
+    with pytest.warns(UserWarning, match="Triton interpreter") as record:
+        attention(q, k, v, True, "triton")
+    assert record[0].filename == __file__
 
 
 # ---------------------------------------------------------------- GPU (run on the H200)

@@ -3,15 +3,15 @@ keys, huge scores) give the right answer, never NaN or silent garbage."""
 import pytest
 import torch
 
-from attention import (BACKENDS, FlashAttentionPytorch, FlashAttentionTriton, FlashAttentionTritonFwd, attention,
-                       packed_attention)
+from attention import (BACKENDS, FlashAttentionPytorch, attention, packed_attention, triton_attention,
+                       triton_fwd_attention)
 from attention.eager import eager_attention_with_lse
 
 ENTRY_POINTS = {
     "attention": lambda q, k, v, is_causal=False: attention(q, k, v, is_causal, backend="triton"),
     "FlashAttentionPytorch": FlashAttentionPytorch.apply,
-    "FlashAttentionTriton": FlashAttentionTriton.apply,
-    "FlashAttentionTritonFwd": FlashAttentionTritonFwd.apply,
+    "triton_attention": triton_attention,
+    "triton_fwd_attention": triton_fwd_attention,
 }
 
 

@@ -103,3 +103,19 @@ def test_trains_on_the_gpu_with_mixed_precision(tiny_args, tmp_path):
     logs = [r for r in read_metrics(tmp_path / "out") if "loss" in r]
     assert logs[-1]["peak_mem_mb"] > 0
     assert "dtype=bfloat16" in result.stdout or "dtype=float16" in result.stdout
+
+
+def test_compiled_training_with_cuda_graph_mode_and_accumulation_on_the_cpu(tiny_args, tmp_path):
+    """compile_mode=reduce-overhead with gradient accumulation and evaluation: on the CPU there
+    are no CUDA graphs, and the run still trains, with the losses of the uncompiled run (the
+    Triton kernels are custom operators inside the compiled graph)."""
+    args = [*tiny_args, "--attn=triton", "--batch_size=2", "--block_size=32", "--gradient_accumulation_steps=2",
+            "--max_iters=2", "--eval_interval=2", "--eval_iters=1", "--log_interval=1"]
+    losses = []
+    for name, extra in (("plain", []), ("compiled", ["--compile=True", "--compile_mode=reduce-overhead"])):
+        result = run_script("train.py", *args, f"--out_dir={tmp_path / name}", *extra, timeout=900)
+        assert result.returncode == 0, result.stderr[-3000:]
+        losses.append(step_losses(read_metrics(tmp_path / name)))
+    assert losses[1].keys() == {1, 2}
+    for it in (1, 2):
+        assert losses[1][it] == pytest.approx(losses[0][it], rel=1e-4)
