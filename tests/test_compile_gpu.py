@@ -19,7 +19,7 @@ def test_gpu_custom_ops_pass_opcheck():
     q, k, v = (t.detach().requires_grad_() for t in unpack_heads(qkv))
     for op in (torch.ops.nanofa2.triton_attention, torch.ops.nanofa2.triton_fwd_attention):
         torch.library.opcheck(op, (q, k, v, True))
-    o, lse = torch.ops.nanofa2.triton_attention(q, k, v, True)
+    o, lse = (t.detach() for t in torch.ops.nanofa2.triton_attention(q, k, v, True))  # the backward ops' own inputs
     for op in (torch.ops.nanofa2.triton_attention_backward, torch.ops.nanofa2.recompute_attention_backward):
         torch.library.opcheck(op, (q.detach(), k.detach(), v.detach(), o, torch.randn_like(o), lse, True))
     torch.library.opcheck(torch.ops.nanofa2.triton_packed_attention, (qkv.requires_grad_(), True))
