@@ -7,11 +7,12 @@ textbook GPT is that CausalSelfAttention hands its fused q, k, v projection to
 the same model trains with the eager reference, PyTorch's sdpa, or this repo's own kernels.
 
 Generation can keep a KVCache: every layer's keys and values of the tokens fed so far, so
-each step feeds only the newest token. Causal convention: the attention package masks
-top-left (key j visible to query i when j <= i), which is right when queries and keys are
-the same tokens (training, and a prompt's prefill into an empty cache: is_causal=True).
-A lone new token against the cache is the last of the sequence, so every cached key is in
-its past: it calls attention with is_causal=False (top-left causal would show it key 0 only).
+each step feeds only the newest token. The prompt goes in first as a normal call (a prefill:
+queries and keys are the same tokens, top-left causal, is_causal=True). After it, each step is
+GPT.decode_step: the new token's key and value are written into the static cache at its
+position, and its query sees cached keys [0, position] through attention.decode_attention,
+with that count as a device tensor. Every decode step then has the same shapes, so it compiles
+once and a CUDA graph can replay it (sample.py --compile=True).
 """
 import inspect
 import math
@@ -21,7 +22,7 @@ import torch
 import torch.nn as nn
 import torch.nn.functional as F
 
-from attention import BACKENDS, attention, packed_attention
+from attention import BACKENDS, attention, decode_attention, packed_attention
 
 
 @dataclass
@@ -42,28 +43,22 @@ class GPTConfig:
 
 
 class KVCache:
-    """One layer's keys and values for the tokens fed so far: (B, H, block_size, D) buffers
-    of which positions [0, length) are filled. They are allocated at the first append, in the
-    dtype of the keys (autocast's, under autocast), and never grow: a model with learned
-    positions cannot see past block_size anyway (see GPT.generate for what happens there)."""
+    """Every layer's keys and values: static (n_layer, B, H, block_size, D) buffers, of which
+    positions [0, length) are filled. Allocated whole and zeroed up front (a masked key's
+    probability is 0, but 0 * NaN from uninitialised memory would still be NaN), they never grow
+    or move: a model with learned positions cannot see past block_size anyway (see GPT.generate
+    for what happens there), and a compiled decode step sees the same tensors at every step.
+    mark_static_address tells CUDA graphs so: they use the buffers in place instead of copying
+    them into the graph's own memory at each replay (which would also lose the step's writes).
+    length is the host's count of the tokens stored; GPT.forward and GPT.generate keep it."""
 
-    def __init__(self, block_size):
-        self.block_size = block_size
-        self.k = self.v = None
+    def __init__(self, n_layer, batch_size, n_head, block_size, head_dim, dtype, device):
+        shape = (n_layer, batch_size, n_head, block_size, head_dim)
+        self.k = torch.zeros(shape, dtype=dtype, device=device)
+        self.v = torch.zeros(shape, dtype=dtype, device=device)
+        torch._dynamo.mark_static_address(self.k)
+        torch._dynamo.mark_static_address(self.v)
         self.length = 0
-
-    def append(self, k, v):
-        """Store k, v (B, H, T, D) at positions [length, length + T); return views of all the
-        keys and values stored so far."""
-        if self.k is None:
-            B, H, _, D = k.shape
-            self.k = k.new_empty(B, H, self.block_size, D)
-            self.v = v.new_empty(B, H, self.block_size, D)
-        end = self.length + k.size(2)
-        self.k[:, :, self.length:end] = k
-        self.v[:, :, self.length:end] = v
-        self.length = end
-        return self.k[:, :, :end], self.v[:, :, :end]
 
 
 class CausalSelfAttention(nn.Module):
@@ -77,11 +72,13 @@ class CausalSelfAttention(nn.Module):
         # attention probabilities, so there is nothing to drop inside attention itself.
         self.resid_dropout = nn.Dropout(config.dropout)
 
-    def forward(self, x, cache=None):
+    def forward(self, x, kv_cache=None, pos=None):
+        """kv_cache: this layer's (k, v) cache buffers, (B, H, block_size, D) each; pos (T,): the
+        positions of x's tokens, a device tensor, where their keys and values are stored."""
         B, T, C = x.shape
         head_dim = C // self.n_head
         qkv = self.c_attn(x).view(B, T, 3, self.n_head, head_dim)
-        if cache is None:
+        if kv_cache is None:
             # Training: the fused projection goes to attention whole (q, k, v = qkv.unbind(2)),
             # which spares the triton backend six autograd nodes a layer (attention/__init__.py).
             y = packed_attention(qkv, is_causal=True, backend=self.attn_backend)
@@ -89,17 +86,18 @@ class CausalSelfAttention(nn.Module):
             # q, k, v are strided (B, H, T, D) views into the fused projection, not copies: the
             # backends are expected to cope with that layout (last dim contiguous).
             q, k, v = (t.transpose(1, 2) for t in qkv.unbind(dim=2))
-            if cache.length == 0:
-                # A prefill: queries and keys are the same T tokens, top-left causal. It attends
-                # over its own k, v rather than the cache's copies, so its logits are exactly
-                # those of the same tokens fed without a cache.
-                cache.append(k, v)
-                y = attention(q, k, v, is_causal=True, backend=self.attn_backend)
+            k_cache, v_cache = kv_cache
+            k_cache.index_copy_(2, pos, k)
+            v_cache.index_copy_(2, pos, v)
+            if T == 1:
+                # One new token (a decode step, or a one-token prompt): its query sees the cached
+                # keys up to its own, all in its past, so nothing else is masked.
+                y = decode_attention(q, k_cache, v_cache, pos[0] + 1, backend=self.attn_backend)
             else:
-                # One new token (GPT.forward allows no more) against every cached key: all are
-                # in its past, so nothing is masked.
-                k, v = cache.append(k, v)
-                y = attention(q, k, v, is_causal=False, backend=self.attn_backend)
+                # A prefill into an empty cache: queries and keys are the same T tokens,
+                # top-left causal. It attends over its own k, v rather than the cache's copies,
+                # so its logits are exactly those of the same tokens fed without a cache.
+                y = attention(q, k, v, is_causal=True, backend=self.attn_backend)
             y = y.transpose(1, 2)
         y = y.reshape(B, T, C)  # (B, T, H, D) -> (B, T, H * D): free when y is contiguous
         return self.resid_dropout(self.c_proj(y))
@@ -125,8 +123,8 @@ class Block(nn.Module):
         self.ln_2 = nn.LayerNorm(config.n_embd, bias=config.bias)
         self.mlp = MLP(config)
 
-    def forward(self, x, cache=None):
-        x = x + self.attn(self.ln_1(x), cache)
+    def forward(self, x, kv_cache=None, pos=None):
+        x = x + self.attn(self.ln_1(x), kv_cache, pos)
         return x + self.mlp(self.ln_2(x))
 
 
@@ -169,19 +167,23 @@ class GPT(nn.Module):
         n = sum(p.numel() for p in self.parameters())
         return n - self.transformer.wpe.weight.numel() if non_embedding else n
 
-    def new_cache(self):
-        """An empty KV cache for forward(idx, cache=...): one KVCache per layer."""
-        return [KVCache(self.config.block_size) for _ in self.transformer.h]
+    def new_cache(self, batch_size, dtype=None, device=None):
+        """An empty KVCache for batch_size sequences, for forward(idx, cache=...) and decode_step.
+        dtype: that of the keys it will hold (autocast's, under autocast); by default the
+        weights'. device: by default the weights'."""
+        cfg, weight = self.config, self.lm_head.weight
+        return KVCache(cfg.n_layer, batch_size, cfg.n_head, cfg.block_size, cfg.n_embd // cfg.n_head,
+                       dtype or weight.dtype, device or weight.device)
 
     def forward(self, idx, targets=None, cache=None):
         """Logits for every position and the mean cross-entropy when targets are given;
         without targets, only the last position's logits (all that generation needs).
 
         cache (from new_cache()): idx continues the tokens already in it, at the positions
-        after them, and its keys and values are appended. An empty cache takes any number of
+        after them, and its keys and values are stored. An empty cache takes any number of
         tokens (a prefill); a filled one takes one token at a time."""
         B, T = idx.shape
-        start = 0 if cache is None else cache[0].length
+        start = 0 if cache is None else cache.length
         if start > 0 and T != 1:
             raise ValueError(f"idx has {T} tokens but the cache already holds {start}: after the prefill, feed "
                              "one token at a time (attention's top-left causal mask cannot place several new "
@@ -189,16 +191,38 @@ class GPT(nn.Module):
         if start + T > self.config.block_size:
             raise ValueError(f"sequence length {start + T} ({start} cached + {T} new) exceeds "
                              f"block_size={self.config.block_size}")
+        if cache is not None and cache.k.shape[1] != B:
+            raise ValueError(f"idx has batch {B} but the cache was made for batch {cache.k.shape[1]}")
         pos = torch.arange(start, start + T, device=idx.device)
-        x = self.transformer.drop(self.transformer.wte(idx) + self.transformer.wpe(pos))
-        for i, block in enumerate(self.transformer.h):
-            x = block(x, None if cache is None else cache[i])
-        x = self.transformer.ln_f(x)
+        x = self.hidden_states(idx, pos, cache)
+        if cache is not None:
+            cache.length = start + T
         if targets is None:
             return self.lm_head(x[:, [-1], :]), None
         logits = self.lm_head(x)
         loss = F.cross_entropy(logits.view(-1, logits.size(-1)), targets.view(-1), ignore_index=-1)
         return logits, loss
+
+    def hidden_states(self, idx, pos, cache=None):
+        """The final LayerNorm's output (B, T, n_embd) for tokens idx at positions pos (T,)."""
+        x = self.transformer.drop(self.transformer.wte(idx) + self.transformer.wpe(pos))
+        for i, block in enumerate(self.transformer.h):
+            x = block(x, None if cache is None else (cache.k[i], cache.v[i]), pos)
+        return self.transformer.ln_f(x)
+
+    def decode_step(self, token, pos, cache):
+        """Logits (B, 1, vocab) for token (B, 1) at position pos, a (1,) integer tensor on the
+        device; its keys and values go into cache at pos (the caller keeps cache.length).
+        Nothing here asks the host for a value and every tensor has the same shape at every
+        step: this is what compile_decode_step compiles and CUDA graphs replay."""
+        return self.lm_head(self.hidden_states(token, pos, cache))
+
+    def compile_decode_step(self, mode="reduce-overhead", backend="inductor"):
+        """Replace decode_step with one torch.compile graph (fullgraph: a graph break would
+        split it, and CUDA graphs would capture only the pieces). mode="reduce-overhead" replays
+        it as a CUDA graph: one launch instead of a few dozen kernels a token. Sampling stays
+        outside, in eager, so that one seed draws the same tokens compiled or not."""
+        self.decode_step = torch.compile(self.decode_step, mode=mode, backend=backend, fullgraph=True)
 
     def configure_optimizers(self, weight_decay, learning_rate, betas, device_type):
         """AdamW; weight decay only on matrices (matmul weights and embeddings), not on
@@ -226,22 +250,34 @@ class GPT(nn.Module):
         block_size tokens each step. Padding ids past the real vocabulary are never drawn.
 
         kv_cache=False feeds the whole context every step. kv_cache=True prefills a cache
-        with the context once, then feeds only the newest token. Once the cache holds
-        block_size tokens it is rebuilt from the last block_size tokens at every step: the
+        with the context once, then runs decode_step on the newest token. Once the cache holds
+        block_size tokens it is refilled from the last block_size tokens at every step: the
         context window slides by one, every token's position changes, and with learned
         positions so do all the cached keys and values. Past block_size the cache saves
         nothing, but both loops show the model the same tokens at the same positions, so
         greedy decoding (top_k=1) gives the same tokens with and without the cache."""
         block_size = self.config.block_size
-        cache = None
+        cache = pos = None
         for _ in range(max_new_tokens):
             if not kv_cache:
                 logits, _ = self(idx[:, -block_size:])
-            elif cache is None or cache[0].length == block_size:
-                cache = self.new_cache()
+            elif cache is None or cache.length == block_size:
+                if cache is None:
+                    device_type = idx.device.type
+                    dtype = torch.get_autocast_dtype(device_type) if torch.is_autocast_enabled(device_type) else None
+                    cache = self.new_cache(idx.size(0), dtype, idx.device)
+                cache.length = 0  # the same buffers, refilled: a compiled step keeps its graph
                 logits, _ = self(idx[:, -block_size:], cache=cache)
+                # The next token's position, kept on the device and advanced there: a fresh
+                # tensor from a Python int would be a host-to-device copy, which waits for the GPU.
+                pos = torch.full((1,), cache.length, dtype=torch.long, device=idx.device)
             else:
-                logits, _ = self(idx[:, -1:], cache=cache)
+                # A compiled step's outputs live in its CUDA graph's memory, which the next replay
+                # overwrites: mark that a new step begins (the logits were consumed already).
+                torch.compiler.cudagraph_mark_step_begin()
+                logits = self.decode_step(idx[:, -1:], pos, cache)
+                cache.length += 1
+                pos = pos + 1
             logits = logits[:, -1, :] / temperature
             logits[:, self.config.vocab_size:] = float("-inf")
             if top_k is not None:
