@@ -7,7 +7,9 @@
 --start is the prompt, or FILE:path to read it from a file. --attn picks the attention
 backend (by default the one the checkpoint was trained with). --kv_cache=True (the default)
 keeps every layer's keys and values and feeds one new token per step; --kv_cache=False
-feeds the whole context every step (see GPT.generate). --benchmark=True prints decode
+feeds the whole context every step (see GPT.generate). --compile=True compiles the one-token
+decode step after the prefill (GPT.compile_decode_step: one graph, replayed as a CUDA graph on
+the GPU; the first tokens wait for the compile). --benchmark=True prints decode
 tokens/s with and without the cache instead of text. Settings are the SampleConfig fields
 below (see configurator.py; `python sample.py --help` lists them).
 """
@@ -37,6 +39,7 @@ class SampleConfig:
     seed: int = 1337
     attn: str = choice("checkpoint", ("checkpoint",) + BACKENDS)  # "checkpoint": the one it trained with
     kv_cache: bool = True  # keep each layer's keys and values, feed one new token per step
+    compile: bool = False  # compile the one-token decode step (needs kv_cache=True); CUDA graphs on the GPU
     benchmark: bool = False  # print decode tokens/s with and without the KV cache (every backend unless --attn)
     device: str = choice("auto", ("auto", "cpu", "cuda"))
     dtype: str = choice("auto", ("auto", "float32", "bfloat16", "float16"))
@@ -54,6 +57,7 @@ def check_config(config):
         ("temperature", 0.0 < config.temperature < float("inf"), "a finite float > 0"),
         ("top_k", config.top_k >= 0, "an int >= 0 (0: no top-k)"),
         ("start", config.start not in ("", "FILE:"), "a non-empty prompt or FILE:path"),
+        ("compile", config.kv_cache or not config.compile, "False when kv_cache=False (it compiles the cached step)"),
     ]
     for key, ok, expected in rules:
         if not ok:
@@ -74,13 +78,16 @@ def read_prompt(start):
     return prompt
 
 
-def build_model(model_args, state, attn, device, out_dir):
+def build_model(model_args, state, attn, device, out_dir, compile_decode):
     model = GPT(replace(model_args, attn=attn, dropout=0.0))
     try:
         model.load_state_dict(state)
     except RuntimeError as e:
         sys.exit(f"error: the weights in {out_dir}/ckpt.pt do not fit the model it describes: {e}")
-    return model.eval().to(device)
+    model = model.eval().to(device)
+    if compile_decode:
+        model.compile_decode_step()
+    return model
 
 
 def benchmark(config, model_args, state, prompt_ids, device, dtype):
@@ -90,10 +97,10 @@ def benchmark(config, model_args, state, prompt_ids, device, dtype):
     batch, prompt_len = config.num_samples, prompt_ids.size(1)
     prompt_ids = prompt_ids.expand(batch, -1)
     print(f"decode: batch {batch}, {prompt_len}-token prompt, {config.max_new_tokens} new tokens, "
-          f"block_size {model_args.block_size}, {device}, {dtype}")
+          f"block_size {model_args.block_size}, {device}, {dtype}" + (", compiled decode step" if config.compile else ""))
     print(f"{'attn':<12}{'no cache tok/s':>16}{'kv cache tok/s':>16}{'speedup':>9}")
     for attn in backends:
-        model = build_model(model_args, state, attn, device, config.out_dir)
+        model = build_model(model_args, state, attn, device, config.out_dir, config.compile)
         tokens_per_s = []
         for kv_cache in (False, True):
             for _ in range(2):  # the first run warms up, the second is timed
@@ -134,8 +141,9 @@ def main(argv=None):
         return
 
     attn = model_args.attn if config.attn == "checkpoint" else config.attn
-    model = build_model(model_args, state, attn, device, config.out_dir)
-    print(f"sampling from {source} with attn={attn}, kv_cache={config.kv_cache} on {device}", file=sys.stderr)
+    model = build_model(model_args, state, attn, device, config.out_dir, config.compile)
+    print(f"sampling from {source} with attn={attn}, kv_cache={config.kv_cache}, compile={config.compile} on {device}",
+          file=sys.stderr)
     torch.manual_seed(config.seed)
     for _ in range(config.num_samples):
         with autocast(device, dtype):
