@@ -144,6 +144,7 @@ class GPT(nn.Module):
             ln_f=nn.LayerNorm(config.n_embd, bias=config.bias),
         ))
         self.lm_head = nn.Linear(config.n_embd, config.padded_vocab_size, bias=False)
+        self.generate_cache = None  # generate's KVCache, kept between calls (see generate)
         self.transformer.wte.weight = self.lm_head.weight  # tied input and output embeddings
 
         self.apply(self._init_weights)
@@ -244,6 +245,17 @@ class GPT(nn.Module):
         cfg = self.config
         return 6 * self.num_params() + 12 * cfg.n_layer * cfg.n_embd * cfg.block_size
 
+    def reusable_cache(self, batch_size, device):
+        """The cache generate fills: the one of its last call when it fits, so that the buffers
+        keep their addresses and a compiled step's CUDA graph is replayed, not recorded again.
+        Its dtype is that of the keys: autocast's under autocast, else the weights'."""
+        device_type = device.type
+        dtype = torch.get_autocast_dtype(device_type) if torch.is_autocast_enabled(device_type) else self.lm_head.weight.dtype
+        cache = self.generate_cache
+        if cache is None or cache.k.shape[1] != batch_size or cache.k.dtype != dtype or cache.k.device != device:
+            cache = self.generate_cache = self.new_cache(batch_size, dtype, device)
+        return cache
+
     @torch.no_grad()
     def generate(self, idx, max_new_tokens, temperature=1.0, top_k=None, kv_cache=True):
         """Append max_new_tokens sampled tokens to idx (B, T), the model seeing at most the last
@@ -263,9 +275,7 @@ class GPT(nn.Module):
                 logits, _ = self(idx[:, -block_size:])
             elif cache is None or cache.length == block_size:
                 if cache is None:
-                    device_type = idx.device.type
-                    dtype = torch.get_autocast_dtype(device_type) if torch.is_autocast_enabled(device_type) else None
-                    cache = self.new_cache(idx.size(0), dtype, idx.device)
+                    cache = self.reusable_cache(idx.size(0), idx.device)
                 cache.length = 0  # the same buffers, refilled: a compiled step keeps its graph
                 logits, _ = self(idx[:, -block_size:], cache=cache)
                 # The next token's position, kept on the device and advanced there: a fresh

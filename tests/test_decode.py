@@ -121,5 +121,5 @@ def test_a_cuda_graph_decode_draws_the_tokens_of_the_uncompiled_one(attn):
     tokens = prompt(batch=3).cuda()
     eager_tokens = gpt.generate(tokens, max_new_tokens=40, top_k=1)
     gpt.compile_decode_step()  # reduce-overhead: CUDA graphs
-    for _ in range(2):  # the first records the graph; the second, with a new cache, re-records and replays
+    for _ in range(2):  # the first records the graph; the second refills the same cache and replays it
         assert torch.equal(gpt.generate(tokens, max_new_tokens=40, top_k=1), eager_tokens)
