@@ -11,8 +11,10 @@ each step feeds only the newest token. The prompt goes in first as a normal call
 queries and keys are the same tokens, top-left causal, is_causal=True). After it, each step is
 GPT.decode_step: the new token's key and value are written into the static cache at its
 position, and its query sees cached keys [0, position] through attention.decode_attention,
-with that count as a device tensor. Every decode step then has the same shapes, so it compiles
-once and a CUDA graph can replay it (sample.py --compile=True).
+with that count as a device tensor. generate feeds the step through a StaticDecoder: the token
+and position go into the same two buffers every step, so the step has the same inputs at every
+token; on CUDA it is captured once as a CUDA graph and replayed, and compiling it
+(sample.py --compile=True) adds Inductor's fusion inside that graph.
 """
 import inspect
 import math
@@ -59,6 +61,57 @@ class KVCache:
         torch._dynamo.mark_static_address(self.k)
         torch._dynamo.mark_static_address(self.v)
         self.length = 0
+
+
+class StaticDecoder:
+    """generate's one-token step: GPT.decode_step over a static KVCache, fed through two static
+    buffers, token (B, 1) and pos (1,), that each step copies its inputs into. Every input of the
+    step then has one shape, stride and address for the decoder's life: torch.compile compiles it
+    once (a view such as idx[:, -1:] changes its stride and offset at every token, and Dynamo
+    recompiled for each), and on CUDA the step is captured once into a torch.cuda.CUDAGraph and
+    replayed per token. At batch 1 a step is a few hundred small kernels that the GPU runs faster
+    than Python issues them; replayed, it is one launch, compiled or not. On the CPU it runs as is."""
+
+    def __init__(self, step, cache):
+        self.step = step
+        self.cache = cache
+        self.token = torch.zeros(cache.k.shape[1], 1, dtype=torch.long, device=cache.k.device)
+        self.pos = torch.zeros(1, dtype=torch.long, device=cache.k.device)
+        self.graph = None
+        self.logits = None  # the graph's output buffer, rewritten by every replay
+
+    def __call__(self, token):
+        """Logits (B, 1, vocab) for token (B, 1) at position cache.length; stores its key and value."""
+        self.token.copy_(token)
+        self.pos.fill_(self.cache.length)  # the value goes in as a kernel argument: no host-to-device copy
+        if self.cache.k.device.type != "cuda":
+            logits = self.step(self.token, self.pos, self.cache)
+        else:
+            if self.graph is None:
+                self.capture()
+            self.graph.replay()
+            logits = self.logits
+        self.cache.length += 1
+        return logits
+
+    def capture(self):
+        """Warm up on a side stream (torch.compile compiles, Triton loads its kernels, and nothing
+        of that may happen during capture), then record one step. Both run the real step, at the
+        current token and position: they write the same key and value to the same place, so the
+        replay that follows finds the cache as it should be. Autocast's cache of cast weights would
+        be freed when autocast exits, under a graph that still reads it: the graph casts instead."""
+        autocast = dict(device_type="cuda", dtype=torch.get_autocast_dtype("cuda"),
+                        enabled=torch.is_autocast_enabled("cuda"), cache_enabled=False)
+        with torch.autocast(**autocast):
+            side = torch.cuda.Stream()
+            side.wait_stream(torch.cuda.current_stream())
+            with torch.cuda.stream(side):
+                for _ in range(2):
+                    self.step(self.token, self.pos, self.cache)
+            torch.cuda.current_stream().wait_stream(side)
+            self.graph = torch.cuda.CUDAGraph()
+            with torch.cuda.graph(self.graph):
+                self.logits = self.step(self.token, self.pos, self.cache)
 
 
 class CausalSelfAttention(nn.Module):
@@ -144,7 +197,7 @@ class GPT(nn.Module):
             ln_f=nn.LayerNorm(config.n_embd, bias=config.bias),
         ))
         self.lm_head = nn.Linear(config.n_embd, config.padded_vocab_size, bias=False)
-        self.generate_cache = None  # generate's KVCache, kept between calls (see generate)
+        self.generate_decoder = None  # generate's StaticDecoder and its cache, kept between calls
         self.transformer.wte.weight = self.lm_head.weight  # tied input and output embeddings
 
         self.apply(self._init_weights)
@@ -218,12 +271,15 @@ class GPT(nn.Module):
         step: this is what compile_decode_step compiles and CUDA graphs replay."""
         return self.lm_head(self.hidden_states(token, pos, cache))
 
-    def compile_decode_step(self, mode="reduce-overhead", backend="inductor"):
+    def compile_decode_step(self, backend="inductor"):
         """Replace decode_step with one torch.compile graph (fullgraph: a graph break would
-        split it, and CUDA graphs would capture only the pieces). mode="reduce-overhead" replays
-        it as a CUDA graph: one launch instead of a few dozen kernels a token. Sampling stays
-        outside, in eager, so that one seed draws the same tokens compiled or not."""
-        self.decode_step = torch.compile(self.decode_step, mode=mode, backend=backend, fullgraph=True)
+        split it). generate's StaticDecoder gives it the same inputs at every step and captures
+        it in its own CUDA graph on the GPU, so Inductor's mode stays the default (its own CUDA
+        graphs cannot be recorded inside another); dynamic=False, so that a new batch size
+        compiles its own static graph rather than a dynamic one. Sampling stays outside, in
+        eager, so that one seed draws the same tokens compiled or not."""
+        self.decode_step = torch.compile(self.decode_step, backend=backend, fullgraph=True, dynamic=False)
+        self.generate_decoder = None  # its graph recorded the uncompiled step
 
     def configure_optimizers(self, weight_decay, learning_rate, betas, device_type):
         """AdamW; weight decay only on matrices (matmul weights and embeddings), not on
@@ -245,16 +301,17 @@ class GPT(nn.Module):
         cfg = self.config
         return 6 * self.num_params() + 12 * cfg.n_layer * cfg.n_embd * cfg.block_size
 
-    def reusable_cache(self, batch_size, device):
-        """The cache generate fills: the one of its last call when it fits, so that the buffers
-        keep their addresses and a compiled step's CUDA graph is replayed, not recorded again.
-        Its dtype is that of the keys: autocast's under autocast, else the weights'."""
+    def reusable_decoder(self, batch_size, device):
+        """generate's StaticDecoder: the one of its last call when it fits, so that its cache,
+        buffers and CUDA graph are reused, not allocated and recorded again at every generate.
+        The cache's dtype is that of the keys: autocast's under autocast, else the weights'."""
         device_type = device.type
         dtype = torch.get_autocast_dtype(device_type) if torch.is_autocast_enabled(device_type) else self.lm_head.weight.dtype
-        cache = self.generate_cache
-        if cache is None or cache.k.shape[1] != batch_size or cache.k.dtype != dtype or cache.k.device != device:
-            cache = self.generate_cache = self.new_cache(batch_size, dtype, device)
-        return cache
+        decoder = self.generate_decoder
+        if decoder is None or decoder.cache.k.shape[1] != batch_size or decoder.cache.k.dtype != dtype \
+                or decoder.cache.k.device != device:
+            decoder = self.generate_decoder = StaticDecoder(self.decode_step, self.new_cache(batch_size, dtype, device))
+        return decoder
 
     @torch.no_grad()
     def generate(self, idx, max_new_tokens, temperature=1.0, top_k=None, kv_cache=True):
@@ -269,30 +326,22 @@ class GPT(nn.Module):
         nothing, but both loops show the model the same tokens at the same positions, so
         greedy decoding (top_k=1) gives the same tokens with and without the cache."""
         block_size = self.config.block_size
-        cache = pos = None
+        decoder = None
         for _ in range(max_new_tokens):
             if not kv_cache:
                 logits, _ = self(idx[:, -block_size:])
-            elif cache is None or cache.length == block_size:
-                if cache is None:
-                    cache = self.reusable_cache(idx.size(0), idx.device)
-                cache.length = 0  # the same buffers, refilled: a compiled step keeps its graph
-                logits, _ = self(idx[:, -block_size:], cache=cache)
-                # The next token's position, kept on the device and advanced there: a fresh
-                # tensor from a Python int would be a host-to-device copy, which waits for the GPU.
-                pos = torch.full((1,), cache.length, dtype=torch.long, device=idx.device)
+            elif decoder is None or decoder.cache.length == block_size:
+                if decoder is None:
+                    decoder = self.reusable_decoder(idx.size(0), idx.device)
+                decoder.cache.length = 0  # the same buffers, refilled: the decoder keeps its graph
+                logits, _ = self(idx[:, -block_size:], cache=decoder.cache)
             else:
-                # A compiled step's outputs live in its CUDA graph's memory, which the next replay
-                # overwrites: mark that a new step begins (the logits were consumed already).
-                torch.compiler.cudagraph_mark_step_begin()
-                logits = self.decode_step(idx[:, -1:], pos, cache)
-                cache.length += 1
-                pos = pos + 1
+                logits = decoder(idx[:, -1:])
             logits = logits[:, -1, :] / temperature
             logits[:, self.config.vocab_size:] = float("-inf")
             if top_k is not None:
                 kth = torch.topk(logits, min(top_k, logits.size(-1))).values[:, [-1]]
-                logits[logits < kth] = float("-inf")
+                logits = logits.masked_fill(logits < kth, float("-inf"))  # bool-mask indexing would sync
             next_token = torch.multinomial(F.softmax(logits, dim=-1), num_samples=1)
             idx = torch.cat((idx, next_token), dim=1)
         return idx

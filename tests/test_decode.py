@@ -8,6 +8,7 @@ from attention import BACKENDS, decode_attention
 from attention.decode import eager_decode_attention
 from model import GPT, GPTConfig
 from test_kv_cache import context_sensitive_gpt, prompt
+from torch._dynamo.testing import CompileCounter  # imports triton: after attention, which picks the interpreter
 
 TOLERANCE = {torch.float32: 1e-5, torch.float16: 2e-3, torch.bfloat16: 2e-2}
 
@@ -92,10 +93,24 @@ def test_a_compiled_decode_step_draws_the_tokens_of_the_uncompiled_one(attn):
     torch._dynamo.reset()
     gpt = context_sensitive_gpt(attn)
     eager_tokens = gpt.generate(prompt(), max_new_tokens=14, top_k=1)
-    gpt.compile_decode_step(mode="default", backend="aot_eager")
+    gpt.compile_decode_step(backend="aot_eager")
     compiled_tokens = gpt.generate(prompt(), max_new_tokens=14, top_k=1)
     assert torch.equal(compiled_tokens, eager_tokens)
     assert all(len(set(row[5:].tolist())) > 6 for row in eager_tokens)
+
+
+def test_the_decode_step_compiles_once_across_tokens_refills_and_generate_calls():
+    # Dynamo recompiles when an input's shape, stride or offset changes; a step fed idx[:, -1:],
+    # a view into the growing idx, recompiled at every token until the recompile limit.
+    torch._dynamo.reset()
+    gpt = context_sensitive_gpt("eager")
+    compiles = CompileCounter()
+    gpt.compile_decode_step(backend=compiles)
+    for _ in range(2):  # 5 + 14 tokens: past block_size=16, so each call also refills the cache
+        gpt.generate(prompt(), max_new_tokens=14, top_k=1)
+    assert compiles.frame_count == 1
+    gpt.generate(prompt(batch=3), max_new_tokens=4, top_k=1)  # a new batch size: one static graph more
+    assert compiles.frame_count == 2
 
 
 @pytest.mark.gpu
@@ -108,9 +123,22 @@ def test_decode_attention_on_the_gpu_in_bfloat16(backend, B, H, S, D, n):
     torch.testing.assert_close(o.double(), expected(q, k_cache, v_cache, n_keys), atol=2e-2, rtol=2e-2)
 
 
+def uncaptured_greedy(gpt, tokens, max_new_tokens):
+    """Greedy decoding by hand: a prefill, then gpt.decode_step called directly, token by token,
+    with no StaticDecoder and so no CUDA graph (within block_size: no refill)."""
+    cache = gpt.new_cache(tokens.size(0))
+    logits, _ = gpt(tokens, cache=cache)
+    for _ in range(max_new_tokens):
+        next_token = logits[:, -1, :gpt.config.vocab_size].argmax(dim=-1, keepdim=True)
+        tokens = torch.cat((tokens, next_token), dim=1)
+        logits = gpt.decode_step(next_token, torch.tensor([cache.length], device=tokens.device), cache)
+        cache.length += 1
+    return tokens
+
+
 @pytest.mark.gpu
 @pytest.mark.parametrize("attn", BACKENDS)
-def test_a_cuda_graph_decode_draws_the_tokens_of_the_uncompiled_one(attn):
+def test_a_cuda_graph_decode_draws_the_tokens_of_the_uncaptured_one(attn):
     torch._dynamo.reset()
     torch.manual_seed(0)
     gpt = GPT(GPTConfig(block_size=32, n_layer=2, n_head=2, n_embd=64, attn=attn)).cuda().eval()
@@ -118,8 +146,13 @@ def test_a_cuda_graph_decode_draws_the_tokens_of_the_uncompiled_one(attn):
         for p in gpt.parameters():
             if p.dim() >= 2:
                 p.normal_(0.0, 0.5)
-    tokens = prompt(batch=3).cuda()
-    eager_tokens = gpt.generate(tokens, max_new_tokens=40, top_k=1)
-    gpt.compile_decode_step()  # reduce-overhead: CUDA graphs
-    for _ in range(2):  # the first records the graph; the second refills the same cache and replays it
-        assert torch.equal(gpt.generate(tokens, max_new_tokens=40, top_k=1), eager_tokens)
+        tokens = prompt(batch=3).cuda()
+        expected_tokens = uncaptured_greedy(gpt, tokens, 20)
+    assert all(len(set(row[5:].tolist())) > 10 for row in expected_tokens)
+    # Captured uncompiled, then compiled; each twice: the first records the graph, the second
+    # refills the same cache and replays it.
+    for compiled in (False, True):
+        if compiled:
+            gpt.compile_decode_step()
+        for _ in range(2):
+            assert torch.equal(gpt.generate(tokens, max_new_tokens=20, top_k=1), expected_tokens)
