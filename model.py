@@ -49,17 +49,14 @@ class KVCache:
     positions [0, length) are filled. Allocated whole and zeroed up front (a masked key's
     probability is 0, but 0 * NaN from uninitialised memory would still be NaN), they never grow
     or move: a model with learned positions cannot see past block_size anyway (see GPT.generate
-    for what happens there), and a compiled decode step sees the same tensors at every step.
-    mark_static_address tells CUDA graphs so: they use the buffers in place instead of copying
-    them into the graph's own memory at each replay (which would also lose the step's writes).
+    for what happens there), and a decode step, compiled or captured as a CUDA graph, sees the
+    same tensors at every step (see StaticDecoder).
     length is the host's count of the tokens stored; GPT.forward and GPT.generate keep it."""
 
     def __init__(self, n_layer, batch_size, n_head, block_size, head_dim, dtype, device):
         shape = (n_layer, batch_size, n_head, block_size, head_dim)
         self.k = torch.zeros(shape, dtype=dtype, device=device)
         self.v = torch.zeros(shape, dtype=dtype, device=device)
-        torch._dynamo.mark_static_address(self.k)
-        torch._dynamo.mark_static_address(self.v)
         self.length = 0
 
 

@@ -7,9 +7,9 @@
 --start is the prompt, or FILE:path to read it from a file. --attn picks the attention
 backend (by default the one the checkpoint was trained with). --kv_cache=True (the default)
 keeps every layer's keys and values and feeds one new token per step; --kv_cache=False
-feeds the whole context every step (see GPT.generate). --compile=True compiles the one-token
-decode step after the prefill (GPT.compile_decode_step: one graph, replayed as a CUDA graph on
-the GPU; the first tokens wait for the compile). --benchmark=True prints decode
+feeds the whole context every step (see GPT.generate); on a GPU the cached one-token step is a
+CUDA graph, replayed per token. --compile=True compiles that step first (GPT.compile_decode_step:
+one Inductor graph inside the CUDA graph; the first tokens wait for the compile). --benchmark=True prints decode
 tokens/s with and without the cache instead of text. Settings are the SampleConfig fields
 below (see configurator.py; `python sample.py --help` lists them).
 """
@@ -39,7 +39,7 @@ class SampleConfig:
     seed: int = 1337
     attn: str = choice("checkpoint", ("checkpoint",) + BACKENDS)  # "checkpoint": the one it trained with
     kv_cache: bool = True  # keep each layer's keys and values, feed one new token per step
-    compile: bool = False  # compile the one-token decode step (needs kv_cache=True); CUDA graphs on the GPU
+    compile: bool = False  # compile the one-token decode step (needs kv_cache=True) with Inductor
     benchmark: bool = False  # print decode tokens/s with and without the KV cache (every backend unless --attn)
     device: str = choice("auto", ("auto", "cpu", "cuda"))
     dtype: str = choice("auto", ("auto", "float32", "bfloat16", "float16"))
