@@ -5,6 +5,7 @@
     python bench.py --configs        # time every candidate tile config of each Triton kernel
     python bench.py --ladder         # the forward, one optimisation at a time (docs/optimisation.md)
     python bench.py --launch         # CPU time to issue vs GPU time to run, at the model's shape
+    python bench.py --decode         # generation tokens/s: KV cache or not, compiled or not, batch 1 and 32
 
 Times forward, backward and forward+backward with triton.testing.do_bench (median of
 repeated runs after warm-up, on fresh random inputs per shape). q, k, v are strided views of
@@ -19,6 +20,7 @@ import platform
 import statistics
 import time
 from concurrent.futures import ProcessPoolExecutor
+from dataclasses import replace
 from multiprocessing import get_context
 
 import torch
@@ -29,6 +31,7 @@ from attention import BACKENDS, attention, packed_attention
 from attention.triton_backward import DKDV_CONFIGS, DQ_CONFIGS, dkdv_smem_rows, dq_smem_rows, flash_backward
 from attention.triton_common import shared_memory_bytes, shared_memory_limit
 from attention.triton_forward import FORWARD_CONFIGS, flash_forward, forward_smem_rows
+from model import GPT, GPTConfig
 from train_config import TrainConfig
 
 import triton  # noqa: E402, I001  (after attention, which decides whether Triton interprets)
@@ -313,6 +316,77 @@ def launch_overhead(out):
     print("\n".join(lines))
 
 
+# ------------------------------------------------------------------ decoding
+
+DECODE_BATCHES = (1, 32)
+DECODE_NEW_TOKENS = 255  # after a 1-token prompt: the 256-token context exactly, never sliding
+DECODE_RUNS = ("no cache", "KV cache", "KV cache, compiled")
+
+
+def decode_tokens_per_s(model, batch, run):
+    """model.generate's tokens/s from a 1-token prompt, and the seconds of a first, untimed run,
+    which compiles, tunes and captures; the second run is timed, between synchronisations. Both
+    cached runs replay the decode step as a CUDA graph (GPT.generate's StaticDecoder), the
+    compiled one with the step compiled by Inductor inside it. The prefill and the no-cache loop
+    stay eager: the no-cache loop meets a new context length, so a new shape, at every token."""
+    prompt = torch.zeros(batch, 1, dtype=torch.long, device="cuda")
+    seconds = []
+    for _ in range(2):
+        torch.manual_seed(0)
+        torch.cuda.synchronize()
+        start = time.perf_counter()
+        with torch.autocast("cuda", dtype=torch.bfloat16):
+            model.generate(prompt, DECODE_NEW_TOKENS, top_k=1, kv_cache=run != "no cache")
+        torch.cuda.synchronize()
+        seconds.append(time.perf_counter() - start)
+    return batch * DECODE_NEW_TOKENS / seconds[-1], seconds[0]
+
+
+def decode_throughput(out, backends):
+    """Greedy generation with an untrained model of configs/shakespeare.py's shape, bf16, every
+    backend: tokens/s with and without the KV cache, the cached step compiled or not, side by
+    side in one process. Writes decode.json and decode.md."""
+    config = GPTConfig(block_size=_MODEL.block_size, n_layer=_MODEL.n_layer, n_head=_MODEL.n_head,
+                       n_embd=_MODEL.n_embd, bias=_MODEL.bias)
+    torch.manual_seed(0)
+    state = GPT(config).state_dict()
+    rows = []
+    for name in backends:
+        for batch in DECODE_BATCHES:
+            row = dict(backend=name, batch=batch)
+            for run in DECODE_RUNS:
+                model = GPT(replace(config, attn=name))
+                model.load_state_dict(state)
+                model.eval().cuda()
+                if run.endswith("compiled"):
+                    # Every model compiles the same code object, GPT.decode_step: without a reset,
+                    # Dynamo counts each one against that code's recompile limit.
+                    torch._dynamo.reset()
+                    model.compile_decode_step()
+                row[run], row[run + " first run s"] = decode_tokens_per_s(model, batch, run)
+            rows.append(row)
+            print(f"{name:<11} batch {batch:>2}  " + "  ".join(f"{run} {row[run]:9,.0f}" for run in DECODE_RUNS)
+                  + "  tok/s  (first runs " + ", ".join(f"{row[run + ' first run s']:.1f}" for run in DECODE_RUNS)
+                  + " s)", flush=True)
+    lines = [f"Greedy decoding tokens/s: an untrained configs/shakespeare.py model (block_size {config.block_size}), "
+             f"bf16 autocast, a 1-token prompt and {DECODE_NEW_TOKENS} new tokens; the second of two runs. Both cached "
+             "columns replay the decode step as a CUDA graph; the compiled one compiles it first (Inductor). First "
+             "runs: the seconds of the untimed first run (compiling, tuning, capturing).", "",
+             "| backend | batch | " + " | ".join(DECODE_RUNS) + " | cache / no cache | compiled cache / no cache "
+             "| first runs (s) |",
+             "|---" * (len(DECODE_RUNS) + 5) + "|"]
+    for r in rows:
+        lines.append(f"| {r['backend']} | {r['batch']} | " + " | ".join(f"{r[run]:,.0f}" for run in DECODE_RUNS)
+                     + f" | {r['KV cache'] / r['no cache']:.2f}x | {r['KV cache, compiled'] / r['no cache']:.2f}x | "
+                     + " / ".join(f"{r[run + ' first run s']:.1f}" for run in DECODE_RUNS) + " |")
+    with open(os.path.join(out, "decode.json"), "w") as f:
+        json.dump(dict(env=environment(), model=config.__dict__, new_tokens=DECODE_NEW_TOKENS, results=rows), f,
+                  indent=1, default=str)
+    with open(os.path.join(out, "decode.md"), "w") as f:
+        f.write("\n".join(lines) + "\n")
+    print("\n".join(lines))
+
+
 def _run_config(job, warm_only):
     """Run once (warm_only=1: compiles it) or time one kernel config on the paper-grid shape
     N=4096, bf16. None if it does not fit the card."""
@@ -350,6 +424,9 @@ def main():
     parser.add_argument("--configs", action="store_true", help="sweep the Triton kernels' tile configs instead")
     parser.add_argument("--ladder", action="store_true", help="docs/optimisation.md's forward ladder instead")
     parser.add_argument("--launch", action="store_true", help="CPU issue time vs GPU run time at the model's shape instead")
+    parser.add_argument("--decode", action="store_true", help="generation tokens/s per backend instead (--backends)")
+    parser.add_argument("--backends", default=",".join(BACKENDS), help="--decode: comma-separated subset of "
+                        + ",".join(BACKENDS))
     args = parser.parse_args()
     if not torch.cuda.is_available():
         raise SystemExit("bench.py needs a CUDA GPU")
@@ -364,6 +441,12 @@ def main():
         return optimisation_ladder(args.out)
     if args.launch:
         return launch_overhead(args.out)
+    if args.decode:
+        backends = args.backends.split(",")
+        unknown = sorted(set(backends) - set(BACKENDS))
+        if unknown:
+            raise SystemExit(f"--backends: unknown {unknown}; choose from {','.join(BACKENDS)}")
+        return decode_throughput(args.out, backends)
 
     env = environment()
     print(" ".join(f"{k}={v}" for k, v in env.items()))

@@ -7,11 +7,14 @@ textbook GPT is that CausalSelfAttention hands its fused q, k, v projection to
 the same model trains with the eager reference, PyTorch's sdpa, or this repo's own kernels.
 
 Generation can keep a KVCache: every layer's keys and values of the tokens fed so far, so
-each step feeds only the newest token. Causal convention: the attention package masks
-top-left (key j visible to query i when j <= i), which is right when queries and keys are
-the same tokens (training, and a prompt's prefill into an empty cache: is_causal=True).
-A lone new token against the cache is the last of the sequence, so every cached key is in
-its past: it calls attention with is_causal=False (top-left causal would show it key 0 only).
+each step feeds only the newest token. The prompt goes in first as a normal call (a prefill:
+queries and keys are the same tokens, top-left causal, is_causal=True). After it, each step is
+GPT.decode_step: the new token's key and value are written into the static cache at its
+position, and its query sees cached keys [0, position] through attention.decode_attention,
+with that count as a device tensor. generate feeds the step through a StaticDecoder: the token
+and position go into the same two buffers every step, so the step has the same inputs at every
+token; on CUDA it is captured once as a CUDA graph and replayed, and compiling it
+(sample.py --compile=True) adds Inductor's fusion inside that graph.
 """
 import inspect
 import math
@@ -21,7 +24,7 @@ import torch
 import torch.nn as nn
 import torch.nn.functional as F
 
-from attention import BACKENDS, attention, packed_attention
+from attention import BACKENDS, attention, decode_attention, packed_attention
 
 
 @dataclass
@@ -42,28 +45,70 @@ class GPTConfig:
 
 
 class KVCache:
-    """One layer's keys and values for the tokens fed so far: (B, H, block_size, D) buffers
-    of which positions [0, length) are filled. They are allocated at the first append, in the
-    dtype of the keys (autocast's, under autocast), and never grow: a model with learned
-    positions cannot see past block_size anyway (see GPT.generate for what happens there)."""
+    """Every layer's keys and values: static (n_layer, B, H, block_size, D) buffers, of which
+    positions [0, length) are filled. Allocated whole and zeroed up front (a masked key's
+    probability is 0, but 0 * NaN from uninitialised memory would still be NaN), they never grow
+    or move: a model with learned positions cannot see past block_size anyway (see GPT.generate
+    for what happens there), and a decode step, compiled or captured as a CUDA graph, sees the
+    same tensors at every step (see StaticDecoder).
+    length is the host's count of the tokens stored; GPT.forward and GPT.generate keep it."""
 
-    def __init__(self, block_size):
-        self.block_size = block_size
-        self.k = self.v = None
+    def __init__(self, n_layer, batch_size, n_head, block_size, head_dim, dtype, device):
+        shape = (n_layer, batch_size, n_head, block_size, head_dim)
+        self.k = torch.zeros(shape, dtype=dtype, device=device)
+        self.v = torch.zeros(shape, dtype=dtype, device=device)
         self.length = 0
 
-    def append(self, k, v):
-        """Store k, v (B, H, T, D) at positions [length, length + T); return views of all the
-        keys and values stored so far."""
-        if self.k is None:
-            B, H, _, D = k.shape
-            self.k = k.new_empty(B, H, self.block_size, D)
-            self.v = v.new_empty(B, H, self.block_size, D)
-        end = self.length + k.size(2)
-        self.k[:, :, self.length:end] = k
-        self.v[:, :, self.length:end] = v
-        self.length = end
-        return self.k[:, :, :end], self.v[:, :, :end]
+
+class StaticDecoder:
+    """generate's one-token step: GPT.decode_step over a static KVCache, fed through two static
+    buffers, token (B, 1) and pos (1,), that each step copies its inputs into. Every input of the
+    step then has one shape, stride and address for the decoder's life: torch.compile compiles it
+    once (a view such as idx[:, -1:] changes its stride and offset at every token, and Dynamo
+    recompiled for each), and on CUDA the step is captured once into a torch.cuda.CUDAGraph and
+    replayed per token. At batch 1 a step is a few hundred small kernels that the GPU runs faster
+    than Python issues them; replayed, it is one launch, compiled or not. On the CPU it runs as is."""
+
+    def __init__(self, step, cache):
+        self.step = step
+        self.cache = cache
+        self.token = torch.zeros(cache.k.shape[1], 1, dtype=torch.long, device=cache.k.device)
+        self.pos = torch.zeros(1, dtype=torch.long, device=cache.k.device)
+        self.graph = None
+        self.logits = None  # the graph's output buffer, rewritten by every replay
+
+    def __call__(self, token):
+        """Logits (B, 1, vocab) for token (B, 1) at position cache.length; stores its key and value."""
+        self.token.copy_(token)
+        self.pos.fill_(self.cache.length)  # the value goes in as a kernel argument: no host-to-device copy
+        if self.cache.k.device.type != "cuda":
+            logits = self.step(self.token, self.pos, self.cache)
+        else:
+            if self.graph is None:
+                self.capture()
+            self.graph.replay()
+            logits = self.logits
+        self.cache.length += 1
+        return logits
+
+    def capture(self):
+        """Warm up on a side stream (torch.compile compiles, Triton loads its kernels, and nothing
+        of that may happen during capture), then record one step. Both run the real step, at the
+        current token and position: they write the same key and value to the same place, so the
+        replay that follows finds the cache as it should be. Autocast's cache of cast weights would
+        be freed when autocast exits, under a graph that still reads it: the graph casts instead."""
+        autocast = dict(device_type="cuda", dtype=torch.get_autocast_dtype("cuda"),
+                        enabled=torch.is_autocast_enabled("cuda"), cache_enabled=False)
+        with torch.autocast(**autocast):
+            side = torch.cuda.Stream()
+            side.wait_stream(torch.cuda.current_stream())
+            with torch.cuda.stream(side):
+                for _ in range(2):
+                    self.step(self.token, self.pos, self.cache)
+            torch.cuda.current_stream().wait_stream(side)
+            self.graph = torch.cuda.CUDAGraph()
+            with torch.cuda.graph(self.graph):
+                self.logits = self.step(self.token, self.pos, self.cache)
 
 
 class CausalSelfAttention(nn.Module):
@@ -77,11 +122,13 @@ class CausalSelfAttention(nn.Module):
         # attention probabilities, so there is nothing to drop inside attention itself.
         self.resid_dropout = nn.Dropout(config.dropout)
 
-    def forward(self, x, cache=None):
+    def forward(self, x, kv_cache=None, pos=None):
+        """kv_cache: this layer's (k, v) cache buffers, (B, H, block_size, D) each; pos (T,): the
+        positions of x's tokens, a device tensor, where their keys and values are stored."""
         B, T, C = x.shape
         head_dim = C // self.n_head
         qkv = self.c_attn(x).view(B, T, 3, self.n_head, head_dim)
-        if cache is None:
+        if kv_cache is None:
             # Training: the fused projection goes to attention whole (q, k, v = qkv.unbind(2)),
             # which spares the triton backend six autograd nodes a layer (attention/__init__.py).
             y = packed_attention(qkv, is_causal=True, backend=self.attn_backend)
@@ -89,17 +136,18 @@ class CausalSelfAttention(nn.Module):
             # q, k, v are strided (B, H, T, D) views into the fused projection, not copies: the
             # backends are expected to cope with that layout (last dim contiguous).
             q, k, v = (t.transpose(1, 2) for t in qkv.unbind(dim=2))
-            if cache.length == 0:
-                # A prefill: queries and keys are the same T tokens, top-left causal. It attends
-                # over its own k, v rather than the cache's copies, so its logits are exactly
-                # those of the same tokens fed without a cache.
-                cache.append(k, v)
-                y = attention(q, k, v, is_causal=True, backend=self.attn_backend)
+            k_cache, v_cache = kv_cache
+            k_cache.index_copy_(2, pos, k)
+            v_cache.index_copy_(2, pos, v)
+            if T == 1:
+                # One new token (a decode step, or a one-token prompt): its query sees the cached
+                # keys up to its own, all in its past, so nothing else is masked.
+                y = decode_attention(q, k_cache, v_cache, pos[0] + 1, backend=self.attn_backend)
             else:
-                # One new token (GPT.forward allows no more) against every cached key: all are
-                # in its past, so nothing is masked.
-                k, v = cache.append(k, v)
-                y = attention(q, k, v, is_causal=False, backend=self.attn_backend)
+                # A prefill into an empty cache: queries and keys are the same T tokens,
+                # top-left causal. It attends over its own k, v rather than the cache's copies,
+                # so its logits are exactly those of the same tokens fed without a cache.
+                y = attention(q, k, v, is_causal=True, backend=self.attn_backend)
             y = y.transpose(1, 2)
         y = y.reshape(B, T, C)  # (B, T, H, D) -> (B, T, H * D): free when y is contiguous
         return self.resid_dropout(self.c_proj(y))
@@ -125,8 +173,8 @@ class Block(nn.Module):
         self.ln_2 = nn.LayerNorm(config.n_embd, bias=config.bias)
         self.mlp = MLP(config)
 
-    def forward(self, x, cache=None):
-        x = x + self.attn(self.ln_1(x), cache)
+    def forward(self, x, kv_cache=None, pos=None):
+        x = x + self.attn(self.ln_1(x), kv_cache, pos)
         return x + self.mlp(self.ln_2(x))
 
 
@@ -146,6 +194,7 @@ class GPT(nn.Module):
             ln_f=nn.LayerNorm(config.n_embd, bias=config.bias),
         ))
         self.lm_head = nn.Linear(config.n_embd, config.padded_vocab_size, bias=False)
+        self.generate_decoder = None  # generate's StaticDecoder and its cache, kept between calls
         self.transformer.wte.weight = self.lm_head.weight  # tied input and output embeddings
 
         self.apply(self._init_weights)
@@ -169,19 +218,23 @@ class GPT(nn.Module):
         n = sum(p.numel() for p in self.parameters())
         return n - self.transformer.wpe.weight.numel() if non_embedding else n
 
-    def new_cache(self):
-        """An empty KV cache for forward(idx, cache=...): one KVCache per layer."""
-        return [KVCache(self.config.block_size) for _ in self.transformer.h]
+    def new_cache(self, batch_size, dtype=None, device=None):
+        """An empty KVCache for batch_size sequences, for forward(idx, cache=...) and decode_step.
+        dtype: that of the keys it will hold (autocast's, under autocast); by default the
+        weights'. device: by default the weights'."""
+        cfg, weight = self.config, self.lm_head.weight
+        return KVCache(cfg.n_layer, batch_size, cfg.n_head, cfg.block_size, cfg.n_embd // cfg.n_head,
+                       dtype or weight.dtype, device or weight.device)
 
     def forward(self, idx, targets=None, cache=None):
         """Logits for every position and the mean cross-entropy when targets are given;
         without targets, only the last position's logits (all that generation needs).
 
         cache (from new_cache()): idx continues the tokens already in it, at the positions
-        after them, and its keys and values are appended. An empty cache takes any number of
+        after them, and its keys and values are stored. An empty cache takes any number of
         tokens (a prefill); a filled one takes one token at a time."""
         B, T = idx.shape
-        start = 0 if cache is None else cache[0].length
+        start = 0 if cache is None else cache.length
         if start > 0 and T != 1:
             raise ValueError(f"idx has {T} tokens but the cache already holds {start}: after the prefill, feed "
                              "one token at a time (attention's top-left causal mask cannot place several new "
@@ -189,16 +242,41 @@ class GPT(nn.Module):
         if start + T > self.config.block_size:
             raise ValueError(f"sequence length {start + T} ({start} cached + {T} new) exceeds "
                              f"block_size={self.config.block_size}")
+        if cache is not None and cache.k.shape[1] != B:
+            raise ValueError(f"idx has batch {B} but the cache was made for batch {cache.k.shape[1]}")
         pos = torch.arange(start, start + T, device=idx.device)
-        x = self.transformer.drop(self.transformer.wte(idx) + self.transformer.wpe(pos))
-        for i, block in enumerate(self.transformer.h):
-            x = block(x, None if cache is None else cache[i])
-        x = self.transformer.ln_f(x)
+        x = self.hidden_states(idx, pos, cache)
+        if cache is not None:
+            cache.length = start + T
         if targets is None:
             return self.lm_head(x[:, [-1], :]), None
         logits = self.lm_head(x)
         loss = F.cross_entropy(logits.view(-1, logits.size(-1)), targets.view(-1), ignore_index=-1)
         return logits, loss
+
+    def hidden_states(self, idx, pos, cache=None):
+        """The final LayerNorm's output (B, T, n_embd) for tokens idx at positions pos (T,)."""
+        x = self.transformer.drop(self.transformer.wte(idx) + self.transformer.wpe(pos))
+        for i, block in enumerate(self.transformer.h):
+            x = block(x, None if cache is None else (cache.k[i], cache.v[i]), pos)
+        return self.transformer.ln_f(x)
+
+    def decode_step(self, token, pos, cache):
+        """Logits (B, 1, vocab) for token (B, 1) at position pos, a (1,) integer tensor on the
+        device; its keys and values go into cache at pos (the caller keeps cache.length).
+        Nothing here asks the host for a value and every tensor has the same shape at every
+        step: this is what compile_decode_step compiles and CUDA graphs replay."""
+        return self.lm_head(self.hidden_states(token, pos, cache))
+
+    def compile_decode_step(self, backend="inductor"):
+        """Replace decode_step with one torch.compile graph (fullgraph: a graph break would
+        split it). generate's StaticDecoder gives it the same inputs at every step and captures
+        it in its own CUDA graph on the GPU, so Inductor's mode stays the default (its own CUDA
+        graphs cannot be recorded inside another); dynamic=False, so that a new batch size
+        compiles its own static graph rather than a dynamic one. Sampling stays outside, in
+        eager, so that one seed draws the same tokens compiled or not."""
+        self.decode_step = torch.compile(self.decode_step, backend=backend, fullgraph=True, dynamic=False)
+        self.generate_decoder = None  # its graph recorded the uncompiled step
 
     def configure_optimizers(self, weight_decay, learning_rate, betas, device_type):
         """AdamW; weight decay only on matrices (matmul weights and embeddings), not on
@@ -220,33 +298,47 @@ class GPT(nn.Module):
         cfg = self.config
         return 6 * self.num_params() + 12 * cfg.n_layer * cfg.n_embd * cfg.block_size
 
+    def reusable_decoder(self, batch_size, device):
+        """generate's StaticDecoder: the one of its last call when it fits, so that its cache,
+        buffers and CUDA graph are reused, not allocated and recorded again at every generate.
+        The cache's dtype is that of the keys: autocast's under autocast, else the weights'."""
+        device_type = device.type
+        dtype = torch.get_autocast_dtype(device_type) if torch.is_autocast_enabled(device_type) else self.lm_head.weight.dtype
+        decoder = self.generate_decoder
+        if decoder is None or decoder.cache.k.shape[1] != batch_size or decoder.cache.k.dtype != dtype \
+                or decoder.cache.k.device != device:
+            decoder = self.generate_decoder = StaticDecoder(self.decode_step, self.new_cache(batch_size, dtype, device))
+        return decoder
+
     @torch.no_grad()
     def generate(self, idx, max_new_tokens, temperature=1.0, top_k=None, kv_cache=True):
         """Append max_new_tokens sampled tokens to idx (B, T), the model seeing at most the last
         block_size tokens each step. Padding ids past the real vocabulary are never drawn.
 
         kv_cache=False feeds the whole context every step. kv_cache=True prefills a cache
-        with the context once, then feeds only the newest token. Once the cache holds
-        block_size tokens it is rebuilt from the last block_size tokens at every step: the
+        with the context once, then runs decode_step on the newest token. Once the cache holds
+        block_size tokens it is refilled from the last block_size tokens at every step: the
         context window slides by one, every token's position changes, and with learned
         positions so do all the cached keys and values. Past block_size the cache saves
         nothing, but both loops show the model the same tokens at the same positions, so
         greedy decoding (top_k=1) gives the same tokens with and without the cache."""
         block_size = self.config.block_size
-        cache = None
+        decoder = None
         for _ in range(max_new_tokens):
             if not kv_cache:
                 logits, _ = self(idx[:, -block_size:])
-            elif cache is None or cache[0].length == block_size:
-                cache = self.new_cache()
-                logits, _ = self(idx[:, -block_size:], cache=cache)
+            elif decoder is None or decoder.cache.length == block_size:
+                if decoder is None:
+                    decoder = self.reusable_decoder(idx.size(0), idx.device)
+                decoder.cache.length = 0  # the same buffers, refilled: the decoder keeps its graph
+                logits, _ = self(idx[:, -block_size:], cache=decoder.cache)
             else:
-                logits, _ = self(idx[:, -1:], cache=cache)
+                logits = decoder(idx[:, -1:])
             logits = logits[:, -1, :] / temperature
             logits[:, self.config.vocab_size:] = float("-inf")
             if top_k is not None:
                 kth = torch.topk(logits, min(top_k, logits.size(-1))).values[:, [-1]]
-                logits[logits < kth] = float("-inf")
+                logits = logits.masked_fill(logits < kth, float("-inf"))  # bool-mask indexing would sync
             next_token = torch.multinomial(F.softmax(logits, dim=-1), num_samples=1)
             idx = torch.cat((idx, next_token), dim=1)
         return idx

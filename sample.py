@@ -7,7 +7,9 @@
 --start is the prompt, or FILE:path to read it from a file. --attn picks the attention
 backend (by default the one the checkpoint was trained with). --kv_cache=True (the default)
 keeps every layer's keys and values and feeds one new token per step; --kv_cache=False
-feeds the whole context every step (see GPT.generate). --benchmark=True prints decode
+feeds the whole context every step (see GPT.generate); on a GPU the cached one-token step is a
+CUDA graph, replayed per token. --compile=True compiles that step first (GPT.compile_decode_step:
+one Inductor graph inside the CUDA graph; the first tokens wait for the compile). --benchmark=True prints decode
 tokens/s with and without the cache instead of text. Settings are the SampleConfig fields
 below (see configurator.py; `python sample.py --help` lists them).
 """
@@ -38,6 +40,7 @@ class SampleConfig:
     seed: int = 1337
     attn: str = choice("checkpoint", ("checkpoint",) + BACKENDS)  # "checkpoint": the one it trained with
     kv_cache: bool = True  # keep each layer's keys and values, feed one new token per step
+    compile: bool = False  # compile the one-token decode step (needs kv_cache=True) with Inductor
     benchmark: bool = False  # print decode tokens/s with and without the KV cache (every backend unless --attn)
     device: str = choice("auto", ("auto", "cpu", "cuda"))
     dtype: str = choice("auto", ("auto", "float32", "bfloat16", "float16"))
@@ -60,6 +63,7 @@ def check_config(config):
          f"a finite float >= {MIN_TEMPERATURE} (for greedy decoding use --top_k=1)"),
         ("top_k", config.top_k >= 0, "an int >= 0 (0: no top-k)"),
         ("start", config.start not in ("", "FILE:"), "a non-empty prompt or FILE:path"),
+        ("compile", config.kv_cache or not config.compile, "False when kv_cache=False (it compiles the cached step)"),
     ]
     for key, ok, expected in rules:
         if not ok:
@@ -80,13 +84,16 @@ def read_prompt(start):
     return prompt
 
 
-def build_model(model_args, state, attn, device, out_dir):
+def build_model(model_args, state, attn, device, out_dir, compile_decode):
     model = GPT(replace(model_args, attn=attn, dropout=0.0))
     try:
         model.load_state_dict(state)
     except RuntimeError as e:
         sys.exit(f"error: the weights in {out_dir}/ckpt.pt do not fit the model it describes: {e}")
-    return model.eval().to(device)
+    model = model.eval().to(device)
+    if compile_decode:
+        model.compile_decode_step()
+    return model
 
 
 def can_run(attn, model_args):
@@ -105,10 +112,10 @@ def benchmark(config, model_args, state, prompt_ids, device, dtype):
     batch, prompt_len = config.num_samples, prompt_ids.size(1)
     prompt_ids = prompt_ids.expand(batch, -1)
     print(f"decode: batch {batch}, {prompt_len}-token prompt, {config.max_new_tokens} new tokens, "
-          f"block_size {model_args.block_size}, {device}, {dtype}")
+          f"block_size {model_args.block_size}, {device}, {dtype}" + (", compiled decode step" if config.compile else ""))
     print(f"{'attn':<12}{'no cache tok/s':>16}{'kv cache tok/s':>16}{'speedup':>9}")
     for attn in backends:
-        model = build_model(model_args, state, attn, device, config.out_dir)
+        model = build_model(model_args, state, attn, device, config.out_dir, config.compile)
         tokens_per_s = []
         for kv_cache in (False, True):
             for _ in range(2):  # the first run warms up, the second is timed
@@ -158,8 +165,9 @@ def main(argv=None):
         return
 
     attn = model_args.attn if config.attn == "checkpoint" else config.attn
-    model = build_model(model_args, state, attn, device, config.out_dir)
-    print(f"sampling from {source} with attn={attn}, kv_cache={config.kv_cache} on {device}", file=sys.stderr)
+    model = build_model(model_args, state, attn, device, config.out_dir, config.compile)
+    print(f"sampling from {source} with attn={attn}, kv_cache={config.kv_cache}, compile={config.compile} on {device}",
+          file=sys.stderr)
     torch.manual_seed(config.seed)
     for _ in range(config.num_samples):
         with autocast(device, dtype):

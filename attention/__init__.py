@@ -74,3 +74,9 @@ def packed_attention(qkv, is_causal=False, backend="triton"):
     if backend == "triton":
         return triton_packed_attention(qkv, is_causal)
     return _BACKEND_FUNCTIONS[backend](*unpack_heads(qkv), is_causal).transpose(1, 2)
+
+
+# Decoding: one new query per sequence against a static KV cache, every backend (decode.py).
+from .decode import decode_attention  # noqa: E402
+
+__all__ += ["decode_attention"]

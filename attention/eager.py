@@ -7,7 +7,7 @@ keeps the N_q x N_k probabilities of every layer for the backward pass.
 Causal convention (all backends): query i sees key j when j <= i, counting both from the
 start of their sequences ("top-left", as torch's scaled_dot_product_attention does).
 With N_q != N_k this is not the decoding convention; a single new query against a KV
-cache sees every cached key, so decoding calls attention with is_causal=False.
+cache sees every cached key up to its own, which decode.py's decode_attention handles.
 """
 import math
 

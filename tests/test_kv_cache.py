@@ -1,5 +1,5 @@
 """KV-cache generation: the same greedy tokens as the recompute loop on every backend, past
-block_size too; the causal convention of the decode calls; sample.py end to end."""
+block_size too; what the prefill and the decode steps call attention with; sample.py end to end."""
 import re
 
 import pytest
@@ -40,36 +40,43 @@ def test_greedy_tokens_are_the_same_with_and_without_the_cache_past_block_size(a
     assert all(len(set(row[5:].tolist())) > 10 for row in without)
 
 
-def test_decoding_calls_attention_without_the_causal_mask_on_one_query(monkeypatch):
+def test_the_prefill_is_causal_and_each_step_sees_the_cached_keys_up_to_its_own(monkeypatch):
     seen = []
-    real_attention = model_module.attention
+    real_attention, real_decode_attention = model_module.attention, model_module.decode_attention
 
     def recording_attention(q, k, v, is_causal, backend):
-        seen.append((q.shape[-2], k.shape[-2], is_causal, backend))
+        seen.append(("attention", q.shape[-2], k.shape[-2], is_causal))
         return real_attention(q, k, v, is_causal=is_causal, backend=backend)
 
+    def recording_decode_attention(q, k_cache, v_cache, n_keys, backend):
+        seen.append(("decode", q.shape[-2], k_cache.shape[-2], n_keys.item()))
+        return real_decode_attention(q, k_cache, v_cache, n_keys, backend=backend)
+
     monkeypatch.setattr(model_module, "attention", recording_attention)
+    monkeypatch.setattr(model_module, "decode_attention", recording_decode_attention)
     gpt = context_sensitive_gpt("sdpa")
     gpt.generate(prompt(length=14), max_new_tokens=4, top_k=1)
     calls = seen[::2]  # layer 0 of each step; layer 1 makes the same call
     assert seen[1::2] == calls
     assert calls == [
-        (14, 14, True, "sdpa"),   # prefill: queries and keys are the same tokens
-        (1, 15, False, "sdpa"),   # the new token sees every cached key
-        (1, 16, False, "sdpa"),   # the cache is now full (block_size=16)
-        (16, 16, True, "sdpa"),   # so it is rebuilt from the last 16 tokens
+        ("attention", 14, 14, True),  # prefill: queries and keys are the same tokens
+        ("decode", 1, 16, 15),        # the new token sees cached keys [0, 15): its own is the 15th
+        ("decode", 1, 16, 16),        # the cache is now full (block_size=16)
+        ("attention", 16, 16, True),  # so it is refilled from the last 16 tokens
     ]
 
 
 def test_a_filled_cache_takes_one_token_and_stops_at_block_size():
     gpt = context_sensitive_gpt("eager")
-    cache = gpt.new_cache()
+    cache = gpt.new_cache(batch_size=2)
     gpt(prompt(length=15), cache=cache)
     with pytest.raises(ValueError, match="feed one token at a time"):
         gpt(prompt(length=2), cache=cache)
     gpt(prompt(length=1), cache=cache)
     with pytest.raises(ValueError, match=re.escape("(16 cached + 1 new) exceeds block_size=16")):
         gpt(prompt(length=1), cache=cache)
+    with pytest.raises(ValueError, match="idx has batch 3 but the cache was made for batch 2"):
+        gpt(prompt(batch=3, length=1), cache=gpt.new_cache(batch_size=2))
 
 
 def test_sample_gives_the_same_text_with_and_without_the_cache(trained_out_dir):
