@@ -1,7 +1,8 @@
 """Token files on disk -> checked memmaps -> random (x, y) batches for training.
 
 A data folder holds train.bin and val.bin (flat arrays of token ids) and meta.json,
-written by a prepare script, saying their dtype, vocabulary size and token counts.
+written by a prepare script, saying their dtype, vocabulary (size, and the GPT-2 id of each
+token id), token and character counts.
 open_split checks a file against meta.json before any training starts, so a missing,
 empty, truncated or wrong-dtype file, or a block_size longer than the data, is a clear
 DataError rather than a crash or silent garbage half an hour into a run.
@@ -13,6 +14,7 @@ import numpy as np
 import torch
 
 SPLITS = ("train", "val")
+META_KEYS = ("dtype", "vocab_size", "gpt2_ids", "train_tokens", "val_tokens", "train_chars", "val_chars")
 
 
 class DataError(RuntimeError):
@@ -20,9 +22,18 @@ class DataError(RuntimeError):
 
 
 def is_prepared(data_dir):
-    """True when meta.json and both token files exist (prepare writes meta.json last)."""
+    """True when meta.json and both token files exist (prepare writes meta.json last) and
+    meta.json has every key this version reads: a folder an older prepare.py wrote (GPT-2
+    ids, no gpt2_ids mapping) is prepared again rather than trained on."""
     names = ["meta.json"] + [f"{split}.bin" for split in SPLITS]
-    return all(os.path.exists(os.path.join(data_dir, name)) for name in names)
+    if not all(os.path.exists(os.path.join(data_dir, name)) for name in names):
+        return False
+    try:
+        with open(os.path.join(data_dir, "meta.json")) as f:
+            meta = json.load(f)
+    except (OSError, ValueError):
+        return True  # there, but unreadable: read_meta says so rather than overwriting it
+    return not isinstance(meta, dict) or all(key in meta for key in META_KEYS)
 
 
 def read_meta(data_dir):
@@ -35,7 +46,7 @@ def read_meta(data_dir):
                         "(python data/shakespeare/prepare.py)") from None
     except (OSError, ValueError) as e:
         raise DataError(f"{path} is unreadable ({e}): prepare the data again") from None
-    missing = [key for key in ("dtype", "vocab_size", "train_tokens", "val_tokens") if key not in meta]
+    missing = [key for key in META_KEYS if key not in meta]
     if missing:
         raise DataError(f"{path} lacks {', '.join(missing)}: prepare the data again")
     return meta
@@ -85,6 +96,10 @@ class Batches:
     def __init__(self, data_dir, block_size, batch_size, device):
         meta = read_meta(data_dir)
         self.vocab_size = meta["vocab_size"]
+        self.gpt2_ids = meta["gpt2_ids"]  # dense token id -> GPT-2 id, for decoding (sample.py)
+        # A mean loss in nats per token times tokens per character is nats per character,
+        # comparable with character-level models whatever the tokenizer.
+        self.tokens_per_char = {split: meta[f"{split}_tokens"] / meta[f"{split}_chars"] for split in SPLITS}
         self.splits = {split: open_split(data_dir, split, meta, block_size) for split in SPLITS}
         self.block_size = block_size
         self.batch_size = batch_size
