@@ -13,6 +13,7 @@ the same tokens (training, and a prompt's prefill into an empty cache: is_causal
 A lone new token against the cache is the last of the sequence, so every cached key is in
 its past: it calls attention with is_causal=False (top-left causal would show it key 0 only).
 """
+import contextlib
 import inspect
 import math
 from dataclasses import dataclass
@@ -22,6 +23,20 @@ import torch.nn as nn
 import torch.nn.functional as F
 
 from attention import BACKENDS, attention, packed_attention
+
+# torch.profiler ranges that profiling.py sorts a step's time by.
+ATTENTION_RANGE = "attention"
+OUTPUT_RANGE = "output layer + loss"
+
+
+def labelled(name):
+    """A torch.profiler range named `name` while a profiler records; nothing otherwise (a
+    range costs a few microseconds even with no profiler, and a small model's step is
+    launch-bound). Nothing under torch.compile either: asking whether the profiler is on
+    would break the graph there, and compiled code drops ranges anyway."""
+    if torch.compiler.is_compiling() or not torch.autograd._profiler_enabled():
+        return contextlib.nullcontext()
+    return torch.profiler.record_function(name)
 
 
 @dataclass
@@ -84,7 +99,8 @@ class CausalSelfAttention(nn.Module):
         if cache is None:
             # Training: the fused projection goes to attention whole (q, k, v = qkv.unbind(2)),
             # which spares the triton backend six autograd nodes a layer (attention/__init__.py).
-            y = packed_attention(qkv, is_causal=True, backend=self.attn_backend)
+            with labelled(ATTENTION_RANGE):
+                y = packed_attention(qkv, is_causal=True, backend=self.attn_backend)
         else:
             # q, k, v are strided (B, H, T, D) views into the fused projection, not copies: the
             # backends are expected to cope with that layout (last dim contiguous).
@@ -196,8 +212,9 @@ class GPT(nn.Module):
         x = self.transformer.ln_f(x)
         if targets is None:
             return self.lm_head(x[:, [-1], :]), None
-        logits = self.lm_head(x)
-        loss = F.cross_entropy(logits.view(-1, logits.size(-1)), targets.view(-1), ignore_index=-1)
+        with labelled(OUTPUT_RANGE):
+            logits = self.lm_head(x)
+            loss = F.cross_entropy(logits.view(-1, logits.size(-1)), targets.view(-1), ignore_index=-1)
         return logits, loss
 
     def configure_optimizers(self, weight_decay, learning_rate, betas, device_type):

@@ -42,7 +42,8 @@ from ddp import World
 from devices import (EXIT_OUT_OF_MEMORY, DeviceError, autocast, cap_memory, peak_flops, peak_memory_mb, pick_device,
                      pick_dtype, synchronize)
 from metrics import append_metrics, reset_metrics, write_run_config
-from model import GPT, GPTConfig
+from model import GPT, GPTConfig, labelled
+from profiling import OPTIMIZER_RANGE, PROFILE_NAME, attention_saved_mb, step_profiler, write_profile
 from train_config import TrainConfig, check_config
 
 
@@ -190,13 +191,14 @@ def train_step(model, optimizer, scaler, batches, sampler, config, amp, device, 
             loss_sum += loss.detach()
             scaler.scale(loss / micro_steps).backward()
     mean_loss = world.mean_(loss_sum).item() / micro_steps
-    if math.isfinite(mean_loss):
-        if config.grad_clip > 0:
-            scaler.unscale_(optimizer)
-            torch.nn.utils.clip_grad_norm_(model.parameters(), config.grad_clip)
-        scaler.step(optimizer)
-        scaler.update()
-    optimizer.zero_grad(set_to_none=True)
+    with labelled(OPTIMIZER_RANGE):
+        if math.isfinite(mean_loss):
+            if config.grad_clip > 0:
+                scaler.unscale_(optimizer)
+                torch.nn.utils.clip_grad_norm_(model.parameters(), config.grad_clip)
+            scaler.step(optimizer)
+            scaler.update()
+        optimizer.zero_grad(set_to_none=True)
     return mean_loss
 
 
@@ -342,8 +344,25 @@ def run(config, world):
         if it > 0 and (improved or config.always_save_checkpoint):
             save(it, rng)
 
+    def save_profile(result):
+        """The profiler's category times, with the memory numbers torch can tell."""
+        x, y = batches.get("train", torch.Generator().manual_seed(config.seed))
+        result.update(attn=config.attn, compile=config.compile, peak_mem_mb=peak_memory_mb(device),
+                      attention_saved_mb=attention_saved_mb(raw_model, x, y, amp))
+        write_profile(config.out_dir, result)
+        print(f"profiled {result['steps']} steps: {result['step_ms']:.1f} ms/step, "
+              + ", ".join(f"{category} {ms:.2f}" for category, ms in result["ms"].items())
+              + f" (ms, {'GPU kernels' if result['device'] == 'cuda' else 'CPU ops'}); "
+              f"{os.path.join(config.out_dir, PROFILE_NAME)}")
+
+    # Profiles the steady steps right after the timing warm-up, then lets training go on; those
+    # few steps' logged times include the profiler's overhead.
+    profiler = (step_profiler(config.out_dir, TIMING_WARMUP_STEPS, save_profile)
+                if config.profile and world.is_main else None)
     status = EXIT_ERROR  # what wandb records if an exception ends the run
     try:
+        if profiler is not None:
+            profiler.start()
         stop = StopSignals(announce=world.is_main)
         if config.init_from == "scratch":
             evaluate(0)
@@ -378,6 +397,8 @@ def run(config, world):
             step_seconds += time.perf_counter() - start
             steps_timed += 1
             it += 1
+            if profiler is not None:
+                profiler.step()
             if not math.isfinite(loss):
                 stop_for_non_finite("training loss", loss, it)
 
@@ -399,6 +420,8 @@ def run(config, world):
             if it % config.eval_interval == 0 or it == config.max_iters:
                 evaluate(it)
     finally:
+        if profiler is not None:
+            profiler.stop()
         if wandb_run is not None:
             wandb_run.finish(exit_code=status)
 

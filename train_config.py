@@ -47,6 +47,7 @@ class TrainConfig:
     device: str = choice("auto", ("auto", "cpu", "cuda"))
     dtype: str = choice("auto", ("auto", "float32", "bfloat16", "float16"))
     compile: bool = False  # torch.compile the model
+    profile: bool = False  # profile a few steady steps with torch.profiler into out_dir/profile.json (profiling.py)
     max_memory_gb: float = 0.0  # cap torch's CUDA memory at this many GiB, e.g. 12 to act as a 12 GB card; 0: no cap
     seed: int = 1337
 
