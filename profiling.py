@@ -52,8 +52,11 @@ def step_profiler(out_dir, skip_steps, on_result):
     activities = [ProfilerActivity.CPU] + ([ProfilerActivity.CUDA] if torch.cuda.is_available() else [])
 
     def ready(prof):
-        on_result(attribute(prof.events()))
-        prof.export_chrome_trace(os.path.join(out_dir, TRACE_NAME))
+        # Also called when a run stops before or during the recorded steps: nothing to report then.
+        events = prof.events()
+        if sum(e.name.startswith("ProfilerStep") for e in events) == PROFILE_STEPS:
+            on_result(attribute(events))
+            prof.export_chrome_trace(os.path.join(out_dir, TRACE_NAME))
 
     return profile(activities=activities, on_trace_ready=ready,
                    schedule=schedule(skip_first=skip_steps, wait=0, warmup=1, active=PROFILE_STEPS, repeat=1))
@@ -173,6 +176,13 @@ def write_profile(out_dir, result):
         json.dump(result, f, indent=2)
         f.write("\n")
     os.replace(tmp_path, os.path.join(out_dir, PROFILE_NAME))
+
+
+def remove_profile(out_dir):
+    """Delete a profile an earlier run left in out_dir, so any profile there is this run's."""
+    for name in (PROFILE_NAME, TRACE_NAME):
+        if os.path.exists(os.path.join(out_dir, name)):
+            os.remove(os.path.join(out_dir, name))
 
 
 def read_profile(out_dir):

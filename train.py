@@ -9,7 +9,8 @@ Settings are the TrainConfig fields of train_config.py: set them in config files
 --key=value (see configurator.py; `python train.py --help` lists them). Each run writes
 out_dir/config.json, appends its log lines and evaluations to out_dir/metrics.jsonl (see
 metrics.py), saves out_dir/ckpt.pt at evaluations and, with --wandb_log=True, logs the
-same to wandb. Under torchrun (see ddp.py) every process trains on batches of its own and
+same to wandb; --profile=True also writes where a few steady steps' time went
+(out_dir/profile.json, see profiling.py). Under torchrun (see ddp.py) every process trains on batches of its own and
 rank 0 alone logs, evaluates and saves.
 
 Exit status:
@@ -43,7 +44,8 @@ from devices import (EXIT_OUT_OF_MEMORY, DeviceError, autocast, cap_memory, peak
                      pick_dtype, synchronize)
 from metrics import append_metrics, reset_metrics, write_run_config
 from model import GPT, GPTConfig, labelled
-from profiling import OPTIMIZER_RANGE, PROFILE_NAME, attention_saved_mb, step_profiler, write_profile
+from profiling import (OPTIMIZER_RANGE, PROFILE_NAME, PROFILE_STEPS, attention_saved_mb, remove_profile, step_profiler,
+                       write_profile)
 from train_config import TrainConfig, check_config
 
 
@@ -288,6 +290,7 @@ def run(config, world):
                   "world_size": world.size, "n_params": raw_model.num_params(), "tokens_per_iter": tokens_per_iter}
     if world.is_main:
         reset_metrics(config.out_dir, keep_through_iter=it if config.init_from == "resume" else None)
+        remove_profile(config.out_dir)
         write_run_config(config.out_dir, run_config)
         processes = f" over {world.size} processes" if world.distributed else ""
         print(f"{raw_model.num_params() / 1e6:.2f}M parameters, attn={config.attn}, device={device}, "
@@ -422,6 +425,9 @@ def run(config, world):
     finally:
         if profiler is not None:
             profiler.stop()
+            if not os.path.exists(os.path.join(config.out_dir, PROFILE_NAME)):
+                print(f"warning: profile=True but the run stopped before its steps {TIMING_WARMUP_STEPS + 2}-"
+                      f"{TIMING_WARMUP_STEPS + 1 + PROFILE_STEPS} were profiled: nothing written", file=sys.stderr)
         if wandb_run is not None:
             wandb_run.finish(exit_code=status)
 

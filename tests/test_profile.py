@@ -92,3 +92,13 @@ def test_bad_profile_arguments_stop_before_any_run(args, message, tmp_path):
     result = run_script("compare.py", "configs/tiny.py", f"--out={tmp_path / 'out'}", *args)
     assert result.returncode == 2
     assert message in result.stderr and "Traceback" not in result.stderr
+
+
+def test_a_run_too_short_to_profile_says_so_and_leaves_no_stale_profile(tiny_args, tmp_path):
+    (tmp_path / "out").mkdir()
+    (tmp_path / "out" / "profile.json").write_text("{}")  # an earlier run's
+    result = run_script("train.py", *tiny_args, "--block_size=32", "--max_iters=4", "--eval_interval=4",
+                        "--profile=True")
+    assert result.returncode == 0, result.stderr
+    assert "warning: profile=True but the run stopped before its steps 5-7 were profiled" in result.stderr
+    assert not (tmp_path / "out" / "profile.json").exists()
