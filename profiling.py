@@ -122,10 +122,18 @@ def attribute(events):
             "ms": {category: value / len(steps) / 1000 for category, value in us.items()}}
 
 
+# Kernel names, for kernels no range reaches: torch's flash, memory-efficient and cuDNN
+# attention (flash_bwd..., fmha_cutlassB..., ..._sdpa_..._bprop...) and this repo's
+# (_attn_fwd, _bwd_dq, _bwd_dkdv).
+ATTENTION_KERNEL_WORDS = ("flash", "fmha", "attn", "attention", "sdpa", "_bwd_dq", "_bwd_dkdv")
+BACKWARD_KERNEL_WORDS = ("bwd", "backward", "bprop", "cutlassb")
+
+
 def category_of_kernel_name(name):
     lower = name.lower()
-    if any(word in lower for word in ("flash", "fmha", "attn", "attention")):
-        return "attention backward" if ("bwd" in lower or "backward" in lower) else "attention forward"
+    if any(word in lower for word in ATTENTION_KERNEL_WORDS):
+        backward = any(word in lower for word in BACKWARD_KERNEL_WORDS)
+        return "attention backward" if backward else "attention forward"
     if any(word in lower for word in ("gemm", "nvjet", "cutlass", "xmma")) or "_mm" in lower or "bmm" in lower:
         return "matmuls"
     return "everything else"

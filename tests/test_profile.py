@@ -102,3 +102,20 @@ def test_a_run_too_short_to_profile_says_so_and_leaves_no_stale_profile(tiny_arg
     assert result.returncode == 0, result.stderr
     assert "warning: profile=True but the run stopped before its steps 5-7 were profiled" in result.stderr
     assert not (tmp_path / "out" / "profile.json").exists()
+
+
+@pytest.mark.parametrize("name, category", [
+    ("void pytorch_flash::flash_fwd_kernel<Flash_fwd_kernel_traits<64, 128>>(Flash_fwd_params)", "attention forward"),
+    ("void pytorch_flash::flash_bwd_dq_dk_dv_loop_seqk_parallel_kernel<...>(Flash_bwd_params)", "attention backward"),
+    ("fmha_cutlassB_bf16_aligned_64x64_k64_sm80", "attention backward"),
+    ("cudnn_generated_fort_native_sdpa_sm90_flash_bprop_wgmma_f16_knob_3", "attention backward"),
+    ("_attn_fwd", "attention forward"),
+    ("_bwd_dkdv", "attention backward"),
+    ("sm90_xmma_gemm_bf16bf16_bf16f32_f32_tn_n_tilesize128x128x64", "matmuls"),
+    ("triton_tem_fused_mm_0", "matmuls"),
+    ("triton_poi_fused_add_native_layer_norm_3", "everything else"),
+], ids=lambda value: value[:24])
+def test_kernels_no_range_reaches_are_sorted_by_name(name, category):
+    from profiling import category_of_kernel_name
+
+    assert category_of_kernel_name(name) == category
