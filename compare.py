@@ -6,6 +6,8 @@ time, throughput and memory.
     python compare.py configs/shakespeare.py --max_memory_gb=12 --max_iters=30 \
         --sweep_block_size=256,512,1024,2048,4096                    # step time and memory vs context
     python compare.py --from_runs=out-a,out-b                        # runs train.py made before
+    python compare.py --backends=eager,triton,sdpa --max_iters=30 --profile=True --compile_both=True
+                                                                     # where each step's time goes
 
 Each backend trains in a subprocess of train.py with the same config and seed, so the
 same initial weights and batches; every train.py key (--max_iters, --max_memory_gb, ...)
@@ -16,6 +18,10 @@ is passed on, and runs log every iteration unless --log_interval says otherwise.
   compare.png, compare.md  loss curves overlaid (train every step, val at evaluations),
                            steady-state step time (median and spread), tokens/s, MFU, peak
                            memory, and how far each loss curve strays from eager's
+  profile.png              with --profile=True, each run's step split into attention forward
+                           and backward, matmuls, output layer + loss, optimizer, the rest and
+                           idle time (profiling.py), as stacked bars; compare.md gets the table
+                           and the memory torch can tell (peak, attention's saved tensors)
   sweep/T<n>/<backend>/    with --sweep_block_size, the runs at each context length n ...
   sweep.png, sweep.md      ... and their median step time, tokens/s and peak memory, with
                            the runs that ran out of memory marked; shortest context first,
@@ -50,6 +56,7 @@ from attention import BACKENDS
 from configurator import ConfigError, describe, parse_config
 from devices import EXIT_OUT_OF_MEMORY
 from metrics import CONFIG_NAME, METRICS_NAME, read_metrics, read_run_config
+from profiling import CATEGORIES, read_profile
 from train_config import TrainConfig, check_config
 
 TRAIN_SCRIPT = os.path.join(os.path.dirname(os.path.abspath(__file__)), "train.py")
@@ -66,6 +73,8 @@ class CompareConfig:
     out: str = "out-compare"
     from_runs: str = ""  # comma-separated train.py out_dirs to compare, instead of training
     sweep_block_size: str = ""  # comma-separated context lengths, e.g. 256,512,1024,2048,4096
+    profile: bool = False  # profile a few steady steps of each run (train.py --profile=True): profile.png
+    compile_both: bool = False  # train each backend twice, uncompiled and with torch.compile
 
 
 @dataclass
@@ -99,6 +108,11 @@ def check_compare_config(config, passed_on):
                           "(e.g. 256,512,1024)")
     if config.from_runs and sizes:
         raise ConfigError("from_runs and sweep_block_size: the sweep trains its own runs; give one or the other")
+    if (config.profile or config.compile_both) and (config.from_runs or sizes):
+        raise ConfigError("profile and compile_both apply to the comparison of backends, not to from_runs "
+                          "(which shows any profile.json its runs hold) or sweep_block_size")
+    if config.compile_both and any(arg.startswith("--compile=") for arg in passed_on):
+        raise ConfigError("--compile: compile_both=True trains every backend both ways; give one or the other")
     for out_dir in split_list(config.from_runs):
         for name in (CONFIG_NAME, METRICS_NAME):
             if not os.path.isfile(os.path.join(out_dir, name)):
@@ -254,7 +268,7 @@ def write_comparison(runs, out, command):
     rows = []
     for run in runs:
         if run.out_of_memory:
-            rows.append(f"| {run.label} | out of memory |" + " |" * 8)
+            rows.append(f"| {run.label} | out of memory |" + " |" * 9)
             continue
         if run.failure:
             rows.append(f"| {run.label} | failed, {run.failure.replace('|', '/')} |" + " |" * 8)
@@ -266,6 +280,7 @@ def write_comparison(runs, out, command):
         val_diff = max_difference(run, reference, "val_loss") if reference else None
         rows.append(" | ".join([
             f"| {run.label}", fmt(final and final["train_loss"], ".4f"), fmt(final and final["val_loss"], ".4f"),
+            fmt(final and final.get("val_bpc"), ".3f"),
             fmt(median_of(run, "step_ms"), ".1f"), spread, fmt(median_of(run, "tokens_per_s"), ",.0f"),
             fmt(median_of(run, "mfu") and 100 * median_of(run, "mfu"), ".1f", "%"), fmt(peak_memory(run), ",.0f"),
             fmt(train_diff, ".2e"), fmt(val_diff, ".2e")]) + " |")
@@ -286,16 +301,75 @@ def write_comparison(runs, out, command):
 Step time is the whole optimizer step (all micro-batches, backward, optimizer), timed between
 device synchronisations; median and 10th-90th percentile over the steady-state iterations
 (after each run's warm-up steps). tokens/s and MFU are medians over the same iterations; peak
-memory is the most torch allocated on the GPU. The last two columns are the largest absolute
+memory is the most torch allocated on the GPU. Losses are nats per token; bits/char is the val
+loss per character of text (nanoGPT's character-level Shakespeare reaches 2.12). The last two columns are the largest absolute
 difference from the (first) {REFERENCE} run's curve: the training loss of every logged iteration, and
 the val loss of every evaluation.
 {reference_note}
-| backend | final train loss | final val loss | step ms (median) | step ms (p10 - p90) | tokens/s | MFU | peak memory (MB) | max abs diff, train loss | max abs diff, val loss |
-| --- | --- | --- | --- | --- | --- | --- | --- | --- | --- |
+| backend | final train loss | final val loss | final val bits/char | step ms (median) | step ms (p10 - p90) | tokens/s | MFU | peak memory (MB) | max abs diff, train loss | max abs diff, val loss |
+| --- | --- | --- | --- | --- | --- | --- | --- | --- | --- | --- |
 """ + "\n".join(rows) + "\n"
     with open(os.path.join(out, "compare.md"), "w") as f:
         f.write(text)
     plot_comparison(runs, os.path.join(out, "compare.png"), setup, reference)
+    profiles = {run.label: read_profile(run.out_dir) for run in trained}
+    profiles = {label: profile for label, profile in profiles.items() if profile is not None}
+    if profiles:
+        with open(os.path.join(out, "compare.md"), "a") as f:
+            f.write(profile_table(profiles))
+        plot_profiles(profiles, {run.label: run.config["attn"] for run in trained},
+                      os.path.join(out, "profile.png"), setup)
+
+
+def busy_ms(profile):
+    return sum(ms for category, ms in profile["ms"].items() if category != "idle")
+
+
+def profile_table(profiles):
+    """compare.md's section on where each profiled run's step goes."""
+    unit = "GPU kernel" if all(p["device"] == "cuda" for p in profiles.values()) else "CPU op"
+    rows = []
+    for label, profile in profiles.items():
+        attention = profile["ms"]["attention forward"] + profile["ms"]["attention backward"]
+        rows.append(" | ".join([f"| {label}", *(f"{profile['ms'][c]:.2f}" for c in CATEGORIES),
+                                f"{profile['step_ms']:.2f}", f"{busy_ms(profile):.2f}",
+                                f"{100 * attention / busy_ms(profile):.0f}%", fmt(profile.get("peak_mem_mb"), ",.0f"),
+                                fmt(profile.get("attention_saved_mb"), ",.1f")]) + " |")
+    return f"""
+## Where the step goes
+
+torch.profiler over {next(iter(profiles.values()))['steps']} steady-state steps of each run (profiling.py), in
+ms per optimizer step of {unit} time. Idle is the step's wall time during which the device ran
+nothing: the host had not launched the next work yet. Busy is the step minus idle, and attention's
+share is of busy time. Compiled code is sorted by kernel name where the profiler ranges do not
+reach it. Peak memory is the most torch allocated by the end of the profiled steps; attention
+saved is what attention keeps for its backward pass in one micro-batch's forward (all layers, uncompiled).
+
+| run | {' | '.join(CATEGORIES)} | step (wall) | busy | attention share | peak memory (MB) | attention saved (MB) |
+|{' --- |' * (len(CATEGORIES) + 6)}
+""" + "\n".join(rows) + "\n"
+
+
+def plot_profiles(profiles, attn_of, path, setup):
+    """A stacked bar per profiled run: its step's time by category, idle last."""
+    fig = Figure(figsize=(11, 5.5), layout="constrained")
+    ax = fig.subplots()
+    fig.suptitle(textwrap.fill(f"Where the step goes: {setup}", 130), fontsize=9)
+    labels = list(profiles)
+    bottoms = np.zeros(len(labels))
+    for i, category in enumerate(CATEGORIES):
+        values = np.array([profiles[label]["ms"][category] for label in labels])
+        ax.bar(labels, values, bottom=bottoms, label=category, color="white" if category == "idle" else f"C{i}",
+               edgecolor="grey", hatch="//" if category == "idle" else None)
+        bottoms += values
+    for x, (label, total) in enumerate(zip(labels, bottoms)):
+        attention = profiles[label]["ms"]["attention forward"] + profiles[label]["ms"]["attention backward"]
+        ax.text(x, total, f"{total:.1f} ms\nattention {100 * attention / busy_ms(profiles[label]):.0f}% of busy",
+                ha="center", va="bottom", fontsize=8)
+    device = "GPU kernel time" if all(p["device"] == "cuda" for p in profiles.values()) else "CPU op time"
+    ax.set(ylabel=f"ms per optimizer step ({device}; idle: nothing running)", ylim=(0, 1.15 * bottoms.max()))
+    ax.legend(fontsize=8, loc="upper left", bbox_to_anchor=(1.0, 1.0))
+    fig.savefig(path, dpi=120)
 
 
 def plot_comparison(runs, path, setup, reference):
@@ -510,14 +584,20 @@ def main(argv=None):
             runs = [run for by_size in results.values() for run in by_size.values() if run is not None]
         else:
             # A backend that fails is marked in compare.md; the others still run.
-            runs = [train(backend, os.path.join(config.out, "runs", backend),
-                          ["--log_interval=1", *passed_on, f"--attn={backend}"], train_config.max_iters)
-                    for backend in backends]
+            # (label suffix, extra train.py arguments) for each way every backend trains
+            variants = [("", []), (" compiled", ["--compile=True"])] if config.compile_both else [("", [])]
+            profile = ["--profile=True"] if config.profile else []
+            runs = [train(backend + suffix, os.path.join(config.out, "runs", (backend + suffix).replace(" ", "-")),
+                          ["--log_interval=1", *passed_on, *profile, *extra, f"--attn={backend}"],
+                          train_config.max_iters)
+                    for backend in backends for suffix, extra in variants]
             write_comparison(runs, config.out, command)
     except KeyboardInterrupt:
         print("compare.py: interrupted", file=sys.stderr)
         sys.exit(130)
     written = ["sweep.md", "sweep.png"] if sizes else ["compare.md", "compare.png"]
+    if config.profile:
+        written.append("profile.png")
     print("wrote " + ", ".join(os.path.join(config.out, name) for name in written))
     failed = [run.label for run in runs if run.failure]
     if failed:

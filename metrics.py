@@ -4,7 +4,7 @@
                    parameter count, tokens per iteration), as logged to wandb
     metrics.jsonl  one JSON object a line. Log records: iter, loss, lr, step_ms,
                    tokens_per_s, mfu, peak_mem_mb, warmup. Eval records: iter, train_loss,
-                   val_loss.
+                   val_loss (nats per token), val_bpc (val bits per character).
 
 train.py writes both; compare.py reads them to compare runs.
 """

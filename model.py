@@ -16,6 +16,7 @@ and position go into the same two buffers every step, so the step has the same i
 token; on CUDA it is captured once as a CUDA graph and replayed, and compiling it
 (sample.py --compile=True) adds Inductor's fusion inside that graph.
 """
+import contextlib
 import inspect
 import math
 from dataclasses import dataclass
@@ -25,6 +26,20 @@ import torch.nn as nn
 import torch.nn.functional as F
 
 from attention import BACKENDS, attention, decode_attention, packed_attention
+
+# torch.profiler ranges that profiling.py sorts a step's time by.
+ATTENTION_RANGE = "attention"
+OUTPUT_RANGE = "output layer + loss"
+
+
+def labelled(name):
+    """A torch.profiler range named `name` while a profiler records; nothing otherwise (a
+    range costs a few microseconds even with no profiler, and a small model's step is
+    launch-bound). Nothing under torch.compile either: asking whether the profiler is on
+    would break the graph there, and compiled code drops ranges anyway."""
+    if torch.compiler.is_compiling() or not torch.autograd._profiler_enabled():
+        return contextlib.nullcontext()
+    return torch.profiler.record_function(name)
 
 
 @dataclass
@@ -131,7 +146,8 @@ class CausalSelfAttention(nn.Module):
         if kv_cache is None:
             # Training: the fused projection goes to attention whole (q, k, v = qkv.unbind(2)),
             # which spares the triton backend six autograd nodes a layer (attention/__init__.py).
-            y = packed_attention(qkv, is_causal=True, backend=self.attn_backend)
+            with labelled(ATTENTION_RANGE):
+                y = packed_attention(qkv, is_causal=True, backend=self.attn_backend)
         else:
             # q, k, v are strided (B, H, T, D) views into the fused projection, not copies: the
             # backends are expected to cope with that layout (last dim contiguous).
@@ -250,8 +266,9 @@ class GPT(nn.Module):
             cache.length = start + T
         if targets is None:
             return self.lm_head(x[:, [-1], :]), None
-        logits = self.lm_head(x)
-        loss = F.cross_entropy(logits.view(-1, logits.size(-1)), targets.view(-1), ignore_index=-1)
+        with labelled(OUTPUT_RANGE):
+            logits = self.lm_head(x)
+            loss = F.cross_entropy(logits.view(-1, logits.size(-1)), targets.view(-1), ignore_index=-1)
         return logits, loss
 
     def hidden_states(self, idx, pos, cache=None):

@@ -23,6 +23,7 @@ import torch
 from attention import BACKENDS
 from checkpoint import CheckpointError, load_checkpoint
 from configurator import EXIT_BAD_CONFIG, ConfigError, choice, parse_config
+from data.shakespeare.prepare import DenseVocab
 from devices import DeviceError, autocast, pick_device, pick_dtype, synchronize
 from model import GPT, GPTConfig
 from train_config import check_attn_head_dim
@@ -84,6 +85,25 @@ def read_prompt(start):
     return prompt
 
 
+def encode_prompt(encoder, prompt, vocab):
+    """The prompt's token ids in the model's numbering: GPT-2's, or the dense ids of the
+    corpus it trained on (vocab, from the checkpoint), where a token the corpus never used
+    has no id."""
+    gpt2_ids = encoder.encode(prompt, allowed_special={"<|endoftext|>"})
+    if vocab is None:
+        return gpt2_ids
+    known = set(vocab.gpt2_ids.tolist())
+    unknown = [t for t in gpt2_ids if t not in known]
+    if unknown:
+        raise ConfigError(f"start: the prompt's token {encoder.decode([unknown[0]])!r} (GPT-2 id {unknown[0]}) never "
+                          "occurs in the text the model trained on, so it has no id for it; reword the prompt")
+    return vocab.to_dense(gpt2_ids).tolist()
+
+
+def decode(encoder, ids, vocab):
+    return encoder.decode(ids if vocab is None else vocab.to_gpt2(ids))
+
+
 def build_model(model_args, state, attn, device, out_dir, compile_decode):
     model = GPT(replace(model_args, attn=attn, dropout=0.0))
     try:
@@ -142,15 +162,18 @@ def main(argv=None):
     except (ConfigError, DeviceError, CheckpointError) as e:
         sys.exit(f"error: {e}")
 
+    # vocab: the dense numbering the model trained with (prepare.py); None for GPT-2's own ids
+    # (a random-init model, or a checkpoint from before prepare.py remapped them).
     if ckpt is None:
         torch.manual_seed(config.seed)
-        model_args, state, source = RANDOM_MODEL, GPT(RANDOM_MODEL).state_dict(), "a random-init model"
+        model_args, state, source, vocab = RANDOM_MODEL, GPT(RANDOM_MODEL).state_dict(), "a random-init model", None
     else:
         try:
             model_args = GPTConfig(**ckpt["model_args"])
         except TypeError as e:
             sys.exit(f"error: {config.out_dir}/ckpt.pt describes a model this code cannot build ({e})")
         state, source = ckpt["model"], f"{config.out_dir} (iter {ckpt['iter']})"
+        vocab = DenseVocab(ckpt["gpt2_ids"]) if ckpt.get("gpt2_ids") is not None else None
     if config.attn != "checkpoint":
         try:
             check_attn_head_dim(config.attn, model_args.n_embd, model_args.n_head)
@@ -158,7 +181,10 @@ def main(argv=None):
             print(f"config error: {e}", file=sys.stderr)
             sys.exit(EXIT_BAD_CONFIG)
     encoder = tiktoken.get_encoding("gpt2")
-    prompt_ids = torch.tensor([encoder.encode(prompt, allowed_special={"<|endoftext|>"})], device=device)
+    try:
+        prompt_ids = torch.tensor([encode_prompt(encoder, prompt, vocab)], device=device)
+    except ConfigError as e:
+        sys.exit(f"error: {e}")
     if config.benchmark:
         print(f"timing decoding with {source}", file=sys.stderr)
         benchmark(config, model_args, state, prompt_ids, device, dtype)
@@ -173,7 +199,7 @@ def main(argv=None):
         with autocast(device, dtype):
             ids = model.generate(prompt_ids, config.max_new_tokens, config.temperature, config.top_k or None,
                                  kv_cache=config.kv_cache)
-        print(encoder.decode(ids[0].tolist()))
+        print(decode(encoder, ids[0].tolist(), vocab))
         print("---------------")
 
 

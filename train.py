@@ -9,7 +9,8 @@ Settings are the TrainConfig fields of train_config.py: set them in config files
 --key=value (see configurator.py; `python train.py --help` lists them). Each run writes
 out_dir/config.json, appends its log lines and evaluations to out_dir/metrics.jsonl (see
 metrics.py), saves out_dir/ckpt.pt at evaluations and, with --wandb_log=True, logs the
-same to wandb. Under torchrun (see ddp.py) every process trains on batches of its own and
+same to wandb; --profile=True also writes where a few steady steps' time went
+(out_dir/profile.json, see profiling.py). Under torchrun (see ddp.py) every process trains on batches of its own and
 rank 0 alone logs, evaluates and saves.
 
 Exit status:
@@ -44,7 +45,9 @@ from ddp import World
 from devices import (EXIT_OUT_OF_MEMORY, DeviceError, autocast, cap_memory, peak_flops, peak_memory_mb, pick_device,
                      pick_dtype, synchronize)
 from metrics import METRICS_NAME, append_metrics, reset_metrics, write_run_config
-from model import GPT, GPTConfig, compile_model
+from model import GPT, GPTConfig, compile_model, labelled
+from profiling import (OPTIMIZER_RANGE, PROFILE_NAME, PROFILE_STEPS, attention_saved_mb, remove_profile, step_profiler,
+                       write_profile)
 from train_config import TrainConfig, check_config
 
 
@@ -75,13 +78,21 @@ def learning_rate_at(it, config):
     return config.min_lr + 0.5 * (1.0 + math.cos(math.pi * progress)) * (config.learning_rate - config.min_lr)
 
 
+def bits_per_char(loss, tokens_per_char):
+    """A mean cross-entropy in nats per token -> bits per character of the text, the unit
+    that compares across tokenizers (nanoGPT's char-level Shakespeare: 1.4697 nats/char,
+    2.12 bits/char)."""
+    return loss * tokens_per_char / math.log(2)
+
+
 def load_data(config, device, world):
     """The token batches. Rank 0 prepares missing data while the other processes wait, so
     none of them reads a file being written."""
     if world.is_main and not is_prepared(config.data_dir):
-        print(f"no prepared data in {config.data_dir}: running data/shakespeare/prepare.py")
-        # if_missing: another run started at the same time may have prepared it meanwhile.
-        meta = prepare(config.data_dir, if_missing=True)
+        print(f"no prepared data in {config.data_dir} (or data an older prepare.py wrote): "
+              "running data/shakespeare/prepare.py")
+        # skip_if: another run started at the same time may have prepared it meanwhile.
+        meta = prepare(config.data_dir, skip_if=is_prepared)
         if meta is not None:
             print(f"prepared {meta['train_tokens']:,} train and {meta['val_tokens']:,} val tokens")
     world.barrier()
@@ -268,13 +279,14 @@ def train_step(model, optimizer, scaler, batches, sampler, config, amp, device, 
             loss_sum += loss.detach()
             scaler.scale(loss / micro_steps).backward()
     mean_loss = world.mean_(loss_sum).item() / micro_steps
-    if math.isfinite(mean_loss):
-        if config.grad_clip > 0:
-            scaler.unscale_(optimizer)
-            torch.nn.utils.clip_grad_norm_(model.parameters(), config.grad_clip)
-        scaler.step(optimizer)
-        scaler.update()
-    optimizer.zero_grad(set_to_none=True)
+    with labelled(OPTIMIZER_RANGE):
+        if math.isfinite(mean_loss):
+            if config.grad_clip > 0:
+                scaler.unscale_(optimizer)
+                torch.nn.utils.clip_grad_norm_(model.parameters(), config.grad_clip)
+            scaler.step(optimizer)
+            scaler.update()
+        optimizer.zero_grad(set_to_none=True)
     return mean_loss
 
 
@@ -370,6 +382,7 @@ def run(config, world):
         if config.init_from == "scratch" and os.path.exists(ckpt_path):
             os.remove(ckpt_path)  # overwrite=True (check_out_dir): the old run's checkpoint goes with its metrics
         reset_metrics(config.out_dir, keep_through_iter=it if config.init_from == "resume" else None)
+        remove_profile(config.out_dir)
         write_run_config(config.out_dir, run_config)
         processes = f" over {world.size} processes" if world.distributed else ""
         print(f"{raw_model.num_params() / 1e6:.2f}M parameters, attn={config.attn}, device={device}, "
@@ -397,6 +410,7 @@ def run(config, world):
             "best_val_loss": best_val_loss,
             "rng": rng,
             "wandb_run_id": wandb_run.id if wandb_run is not None else None,
+            "gpt2_ids": batches.gpt2_ids,  # the model's token ids -> GPT-2's, for sample.py to decode
         }, config.out_dir)
         last_saved_iter = it
 
@@ -415,7 +429,9 @@ def run(config, world):
         stopped = losses is None  # by a signal: the loop saves this iteration's state and stops
         losses = losses or {}
         if losses:
-            print(f"iter {it}: train loss {losses['train']:.4f}, val loss {losses['val']:.4f}")
+            val_bpc = bits_per_char(losses["val"], batches.tokens_per_char["val"])
+            print(f"iter {it}: train loss {losses['train']:.4f}, val loss {losses['val']:.4f} "
+                  f"({val_bpc:.3f} bits/char)")
         non_finite = [split for split, loss in losses.items() if not math.isfinite(loss)]
         if world.max(len(non_finite)):  # all processes stop together, with rank 0's message
             if not world.is_main:
@@ -423,14 +439,31 @@ def run(config, world):
             stop_for_non_finite(f"{non_finite[0]} loss", losses[non_finite[0]], it)
         if not world.is_main or stopped:
             return
-        log({"iter": it, "train_loss": losses["train"], "val_loss": losses["val"]})
+        log({"iter": it, "train_loss": losses["train"], "val_loss": losses["val"], "val_bpc": val_bpc})
         improved = losses["val"] < best_val_loss
         best_val_loss = min(best_val_loss, losses["val"])
         if it > 0 and (improved or config.always_save_checkpoint):
             save(it, rng)
 
+    def save_profile(result):
+        """The profiler's category times, with the memory numbers torch can tell."""
+        x, y = batches.get("train", torch.Generator().manual_seed(config.seed))
+        result.update(attn=config.attn, compile=config.compile, peak_mem_mb=peak_memory_mb(device),
+                      attention_saved_mb=attention_saved_mb(raw_model, x, y, amp))
+        write_profile(config.out_dir, result)
+        print(f"profiled {result['steps']} steps: {result['step_ms']:.1f} ms/step, "
+              + ", ".join(f"{category} {ms:.2f}" for category, ms in result["ms"].items())
+              + f" (ms, {'GPU kernels' if result['device'] == 'cuda' else 'CPU ops'}); "
+              f"{os.path.join(config.out_dir, PROFILE_NAME)}")
+
+    # Profiles the steady steps right after the timing warm-up, then lets training go on; those
+    # few steps' logged times include the profiler's overhead.
+    profiler = (step_profiler(config.out_dir, TIMING_WARMUP_STEPS, save_profile)
+                if config.profile and world.is_main else None)
     status = EXIT_ERROR  # what wandb records if an exception ends the run
     try:
+        if profiler is not None:
+            profiler.start()
         stop = StopSignals(announce=world.is_main)
         if config.init_from == "scratch":
             evaluate(0)
@@ -472,6 +505,8 @@ def run(config, world):
             step_seconds += time.perf_counter() - start
             steps_timed += 1
             it += 1
+            if profiler is not None:
+                profiler.step()
             if not math.isfinite(loss):
                 stop_for_non_finite("training loss", loss, it)
 
@@ -493,6 +528,11 @@ def run(config, world):
             if it % config.eval_interval == 0 or it == config.max_iters:
                 evaluate(it)
     finally:
+        if profiler is not None:
+            profiler.stop()
+            if not os.path.exists(os.path.join(config.out_dir, PROFILE_NAME)):
+                print(f"warning: profile=True but the run stopped before its steps {TIMING_WARMUP_STEPS + 2}-"
+                      f"{TIMING_WARMUP_STEPS + 1 + PROFILE_STEPS} were profiled: nothing written", file=sys.stderr)
         if wandb_run is not None:
             wandb_run.finish(exit_code=status)
 

@@ -19,8 +19,8 @@ class TrainConfig:
     out_dir: str = "out-shakespeare"
     init_from: str = choice("scratch", ("scratch", "resume"))
     overwrite: bool = False  # True: a run from scratch may replace the run in out_dir (its ckpt.pt and metrics.jsonl)
-    eval_interval: int = 250  # evaluate (and checkpoint) every this many iterations
-    eval_iters: int = 200  # batches per split in each evaluation
+    eval_interval: int = 100  # evaluate (and checkpoint) every this many iterations
+    eval_iters: int = 50  # batches per split in each evaluation
     log_interval: int = 10
     always_save_checkpoint: bool = False  # True: save at every evaluation, not only when val loss improves
     # wandb (off by default; WANDB_MODE=offline writes a run folder for `wandb sync` instead of uploading)
@@ -29,32 +29,33 @@ class TrainConfig:
     wandb_run_name: str = ""  # "": "<attn>-<config file name>", e.g. triton-shakespeare
     # data
     data_dir: str = "data/shakespeare"  # prepared here on first use
-    batch_size: int = 32  # sequences per micro-batch, per process
+    batch_size: int = 16  # sequences per micro-batch, per process
     gradient_accumulation_steps: int = 2  # micro-batches per optimizer step, over all processes
-    block_size: int = 256
+    block_size: int = 512
     # model
     n_layer: int = 6
     n_head: int = 6
     n_embd: int = 384
-    dropout: float = 0.2
+    dropout: float = 0.3
     bias: bool = False
     attn: str = choice("eager", BACKENDS)
     # optimizer and schedule: linear warmup, then cosine decay to min_lr at lr_decay_iters
-    learning_rate: float = 1e-3
-    max_iters: int = 2000
-    weight_decay: float = 0.1
+    learning_rate: float = 6e-4
+    max_iters: int = 600
+    weight_decay: float = 0.5
     beta1: float = 0.9
     beta2: float = 0.99
     grad_clip: float = 1.0  # clip the gradient norm to this; 0 turns clipping off
-    warmup_iters: int = 100
-    lr_decay_iters: int = 2000
-    min_lr: float = 1e-4
+    warmup_iters: int = 50
+    lr_decay_iters: int = 600
+    min_lr: float = 6e-5
     # system
     device: str = choice("auto", ("auto", "cpu", "cuda"))
     dtype: str = choice("auto", ("auto", "float32", "bfloat16", "float16"))
     compile: bool = False  # torch.compile the model
     # torch.compile's mode when compile=True; reduce-overhead and max-autotune replay CUDA graphs (none on the CPU)
     compile_mode: str = choice("default", COMPILE_MODES)
+    profile: bool = False  # profile a few steady steps with torch.profiler into out_dir/profile.json (profiling.py)
     max_memory_gb: float = 0.0  # cap torch's CUDA memory at this many GiB, e.g. 12 to act as a 12 GB card; 0: no cap
     seed: int = 1337
 

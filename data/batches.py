@@ -1,7 +1,8 @@
 """Token files on disk -> checked memmaps -> random (x, y) batches for training.
 
 A data folder holds train.bin and val.bin (flat arrays of token ids) and meta.json,
-written by a prepare script, saying their dtype, vocabulary size and token counts.
+written by a prepare script, saying their dtype, vocabulary (size, and the GPT-2 id of each
+token id), token and character counts.
 open_split checks a file against meta.json before any training starts, so a missing,
 empty, truncated or wrong-dtype file, or a block_size longer than the data, is a clear
 DataError rather than a crash or silent garbage half an hour into a run.
@@ -20,13 +21,21 @@ def is_positive_int(value):
     return type(value) is int and value >= 1  # bool is a subclass of int, hence no isinstance
 
 
+def is_id_list(value):
+    return isinstance(value, list) and all(type(i) is int and i >= 0 for i in value)
+
+
 # Every field of meta.json the readers use, checked before anything trusts it:
-# field -> (check, what was expected).
+# field -> (check, what was expected). A folder whose meta.json lacks one (an older prepare.py
+# wrote it) is prepared again (is_prepared).
 META_FIELDS = {
     "dtype": (lambda value: value in TOKEN_DTYPES, f"one of {', '.join(TOKEN_DTYPES)}"),
     "vocab_size": (is_positive_int, "an int >= 1"),
+    "gpt2_ids": (is_id_list, "a list of GPT-2 token ids (ints >= 0)"),
     "train_tokens": (is_positive_int, "an int >= 1"),
     "val_tokens": (is_positive_int, "an int >= 1"),
+    "train_chars": (is_positive_int, "an int >= 1"),
+    "val_chars": (is_positive_int, "an int >= 1"),
 }
 
 
@@ -35,9 +44,18 @@ class DataError(RuntimeError):
 
 
 def is_prepared(data_dir):
-    """True when meta.json and both token files exist (prepare writes meta.json last)."""
+    """True when meta.json and both token files exist (prepare writes meta.json last) and
+    meta.json has every key this version reads: a folder an older prepare.py wrote (GPT-2
+    ids, no gpt2_ids mapping) is prepared again rather than trained on."""
     names = ["meta.json"] + [f"{split}.bin" for split in SPLITS]
-    return all(os.path.exists(os.path.join(data_dir, name)) for name in names)
+    if not all(os.path.exists(os.path.join(data_dir, name)) for name in names):
+        return False
+    try:
+        with open(os.path.join(data_dir, "meta.json")) as f:
+            meta = json.load(f)
+    except (OSError, ValueError):
+        return True  # there, but unreadable: read_meta says so rather than overwriting it
+    return not isinstance(meta, dict) or all(key in meta for key in META_FIELDS)
 
 
 def read_meta(data_dir):
@@ -58,6 +76,9 @@ def read_meta(data_dir):
     for key, (ok, expected) in META_FIELDS.items():
         if not ok(meta[key]):
             raise DataError(f"{path} has {key}={meta[key]!r}, expected {expected}: prepare the data again")
+    if len(meta["gpt2_ids"]) != meta["vocab_size"]:
+        raise DataError(f"{path} has {len(meta['gpt2_ids'])} gpt2_ids for vocab_size={meta['vocab_size']}, "
+                        "expected one GPT-2 id per token id: prepare the data again")
     largest_id = np.iinfo(meta["dtype"]).max
     if meta["vocab_size"] - 1 > largest_id:
         raise DataError(f"{path} has vocab_size={meta['vocab_size']}, but its dtype {meta['dtype']} holds ids up "
@@ -110,6 +131,10 @@ class Batches:
     def __init__(self, data_dir, block_size, batch_size, device):
         meta = read_meta(data_dir)
         self.vocab_size = meta["vocab_size"]
+        self.gpt2_ids = meta["gpt2_ids"]  # dense token id -> GPT-2 id, for decoding (sample.py)
+        # A mean loss in nats per token times tokens per character is nats per character,
+        # comparable with character-level models whatever the tokenizer.
+        self.tokens_per_char = {split: meta[f"{split}_tokens"] / meta[f"{split}_chars"] for split in SPLITS}
         self.splits = {split: open_split(data_dir, split, meta, block_size) for split in SPLITS}
         self.block_size = block_size
         self.batch_size = batch_size

@@ -3,6 +3,7 @@ so the Triton interpreter is quick), the report and figure are written, and each
 loss curves stay within LOSS_TOLERANCE of eager's; the context-length sweep marks the runs
 that ran out of memory; --from_runs compares finished runs; bad arguments stop it first."""
 import json
+import math
 import os
 from pathlib import Path
 
@@ -47,9 +48,10 @@ def test_compare_trains_every_backend_and_writes_the_report_and_figure(compariso
     rows = table_rows((out / "compare.md").read_text())
     for backend in BACKENDS:
         cells = rows[backend]
-        final_train, final_val, step_ms = (float(cells[i]) for i in (1, 2, 3))
-        assert 5 < final_val < 11 and 5 < final_train < 11 and step_ms > 0
-        assert cells[7] == "n/a"  # peak GPU memory, on the CPU
+        final_train, final_val, val_bpc, step_ms = (float(cells[i]) for i in (1, 2, 3, 4))
+        assert 5 < final_val < 10 and 5 < final_train < 10 and step_ms > 0
+        assert val_bpc == pytest.approx(final_val * 36_059 / 111_540 / math.log(2), abs=1e-3)  # val tokens / chars
+        assert cells[8] == "n/a"  # peak GPU memory, on the CPU
         assert f"{backend}: 100%" in result.stderr and "8/8" in result.stderr  # its progress bar finished
         assert [r["iter"] for r in read_metrics(out / "runs" / backend) if "loss" in r] == list(range(1, 9))
 
@@ -62,7 +64,7 @@ def test_loss_curves_stay_within_tolerance_of_eager(comparison, backend):
         assert other.keys() == eager.keys() and eager
         assert max(abs(other[i] - eager[i]) for i in eager) < LOSS_TOLERANCE, key
     cells = table_rows((out / "compare.md").read_text())[backend]
-    assert float(cells[8]) < LOSS_TOLERANCE and float(cells[9]) < LOSS_TOLERANCE  # as compare.md reports it
+    assert float(cells[9]) < LOSS_TOLERANCE and float(cells[10]) < LOSS_TOLERANCE  # as compare.md reports it
 
 
 def test_from_runs_compares_finished_runs(comparison, tmp_path):
@@ -72,7 +74,7 @@ def test_from_runs_compares_finished_runs(comparison, tmp_path):
     assert result.returncode == 0, result.stderr
     rows = table_rows((tmp_path / "compare.md").read_text())
     assert {"eager", "triton"} <= rows.keys() and "sdpa" not in rows
-    assert rows["eager"][1:3] == table_rows((out / "compare.md").read_text())["eager"][1:3]
+    assert rows["eager"][1:4] == table_rows((out / "compare.md").read_text())["eager"][1:4]
     assert (tmp_path / "compare.png").exists()
 
 

@@ -1,6 +1,7 @@
 """data/shakespeare/prepare.py: the real token counts, atomic re-runs, and clear errors."""
 import hashlib
 import json
+import os
 import urllib.error
 
 import numpy as np
@@ -8,7 +9,9 @@ import pytest
 
 from conftest import run_script
 from data.shakespeare import prepare as prepare_module
-from data.shakespeare.prepare import PrepareError, prepare
+from data.shakespeare.prepare import DenseVocab, PrepareError, prepare
+
+VOCAB_SIZE = 11_706  # the GPT-2 tokens TinyShakespeare uses
 
 
 def digest(path):
@@ -17,13 +20,42 @@ def digest(path):
 
 def test_real_data_has_the_expected_token_counts(data_dir):
     meta = json.loads((data_dir / "meta.json").read_text())
-    assert meta == {"encoding": "gpt2", "vocab_size": 50257, "dtype": "uint16",
-                    "train_tokens": 301_966, "val_tokens": 36_059}
+    gpt2_ids = meta.pop("gpt2_ids")
+    assert meta == {"encoding": "gpt2", "vocab_size": VOCAB_SIZE, "dtype": "uint16",
+                    "train_tokens": 301_966, "val_tokens": 36_059, "train_chars": 1_003_854, "val_chars": 111_540}
+    assert len(gpt2_ids) == VOCAB_SIZE and gpt2_ids == sorted(set(gpt2_ids)) and gpt2_ids[-1] < 50257
     train = np.fromfile(data_dir / "train.bin", dtype=np.uint16)
     val = np.fromfile(data_dir / "val.bin", dtype=np.uint16)
     assert (len(train), len(val)) == (301_966, 36_059)
-    # "First Citizen:" in GPT-2 tokens
-    assert train[:4].tolist() == [5962, 22307, 25, 198]
+    # "First Citizen:" in GPT-2 tokens, through the mapping
+    assert [gpt2_ids[i] for i in train[:4]] == [5962, 22307, 25, 198]
+
+
+def test_token_ids_are_dense_and_map_back_to_the_original_text(data_dir):
+    import tiktoken
+
+    meta = json.loads((data_dir / "meta.json").read_text())
+    vocab = DenseVocab(meta["gpt2_ids"])
+    encoder = tiktoken.get_encoding("gpt2")
+    tokens = {split: np.fromfile(data_dir / f"{split}.bin", dtype=np.uint16) for split in ("train", "val")}
+    # Dense: every id in [0, vocab_size) occurs in the corpus, none past it.
+    assert np.array_equal(np.unique(np.concatenate(list(tokens.values()))), np.arange(meta["vocab_size"]))
+    text = open(os.environ["TINYSHAKESPEARE_PATH"], encoding="utf-8").read()
+    decoded = "".join(encoder.decode(vocab.to_gpt2(tokens[split])) for split in ("train", "val"))
+    assert decoded == text
+    assert len(decoded[:meta["train_chars"]]) + meta["val_chars"] == len(text)
+    # encode -> dense -> GPT-2 ids -> text, for new text made of the corpus's tokens
+    line = "ROMEO:\nWhat light through yonder window breaks?"
+    assert encoder.decode(vocab.to_gpt2(vocab.to_dense(encoder.encode(line)))) == line
+
+
+def test_a_token_the_corpus_never_uses_is_named():
+    vocab = DenseVocab([3, 7, 50000])
+    assert vocab.to_dense([50000, 3, 7]).tolist() == [2, 0, 1]
+    with pytest.raises(ValueError, match="GPT-2 token 8 is not in the vocabulary"):
+        vocab.to_dense([3, 8, 50256])
+    with pytest.raises(ValueError, match="GPT-2 token 50256 is not in the vocabulary"):
+        vocab.to_dense([50256])
 
 
 def test_running_prepare_twice_gives_the_same_files_and_no_leftovers(data_dir, tmp_path):

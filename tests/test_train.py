@@ -1,5 +1,6 @@
 """train.py and sample.py end to end on the CPU, with configs/tiny.py on the real data."""
 import json
+import math
 
 import pytest
 import torch
@@ -7,7 +8,7 @@ import torch
 from conftest import run_script
 
 LOG_KEYS = {"iter", "loss", "lr", "step_ms", "tokens_per_s", "mfu", "peak_mem_mb", "warmup"}
-EVAL_KEYS = {"iter", "train_loss", "val_loss"}
+EVAL_KEYS = {"iter", "train_loss", "val_loss", "val_bpc"}
 
 
 def read_metrics(out_dir):
@@ -28,12 +29,16 @@ def test_tiny_config_loss_falls_and_metrics_have_the_documented_keys(tiny_args, 
     assert all(set(r) == EVAL_KEYS for r in evals) and all(set(r) == LOG_KEYS for r in logs)
     assert [r["iter"] for r in evals] == [0, 40] and [r["iter"] for r in logs] == [3, 10, 20, 30, 40]
     assert [r["warmup"] for r in logs] == [True, False, False, False, False]  # iters 1-3 logged apart
-    assert evals[-1]["val_loss"] < evals[0]["val_loss"] - 2.0  # from ~10.8 (uniform) to below 8.8
+    assert evals[-1]["val_loss"] < evals[0]["val_loss"] - 2.0  # from ~9.4 (uniform over 11,706) to below 7.4
+    # bits/char = nats/token x tokens/char / ln 2, with TinyShakespeare's 36,059 val tokens in 111,540 chars
+    assert all(r["val_bpc"] == pytest.approx(r["val_loss"] * 36_059 / 111_540 / math.log(2)) for r in evals)
+    assert f"({evals[-1]['val_bpc']:.3f} bits/char)" in result.stdout
     assert logs[-1]["step_ms"] > 0 and logs[-1]["tokens_per_s"] > 0
     assert logs[-1]["mfu"] is None and logs[-1]["peak_mem_mb"] is None  # no GPU peak to compare with
     assert "iter 40: loss" in result.stdout and "tok/s" in result.stdout
     ckpt = torch.load(tmp_path / "out" / "ckpt.pt", weights_only=True)
     assert ckpt["iter"] == 40 and ckpt["config"]["attn"] == "eager"
+    assert len(ckpt["gpt2_ids"]) == ckpt["model_args"]["vocab_size"] == 11_706  # sample.py decodes with it
     run_config = json.loads((tmp_path / "out" / "config.json").read_text())
     assert run_config["attn"] == "eager" and run_config["wandb_run_name"] == "eager-tiny"
     assert run_config["device"] == "cpu" and run_config["world_size"] == 1 and run_config["tokens_per_iter"] == 512
@@ -65,6 +70,29 @@ def test_train_prepares_missing_data(data_dir, tmp_path):
     assert "running data/shakespeare/prepare.py" in result.stdout
     for name in ("train.bin", "val.bin", "meta.json"):
         assert (empty / name).read_bytes() == (data_dir / name).read_bytes()
+
+
+def test_train_prepares_again_data_an_older_prepare_wrote(data_dir, tmp_path):
+    old = tmp_path / "data"
+    old.mkdir()
+    meta = json.loads((data_dir / "meta.json").read_text())
+    for key in ("gpt2_ids", "train_chars", "val_chars"):
+        del meta[key]
+    (old / "meta.json").write_text(json.dumps({**meta, "vocab_size": 50257}))
+    for name in ("train.bin", "val.bin"):
+        (old / name).write_bytes((data_dir / name).read_bytes())
+    result = run_script("train.py", "configs/tiny.py", f"--data_dir={old}", f"--out_dir={tmp_path / 'out'}",
+                        "--max_iters=1", "--eval_iters=1")
+    assert result.returncode == 0, result.stderr
+    assert "an older prepare.py" in result.stdout
+    assert (old / "meta.json").read_bytes() == (data_dir / "meta.json").read_bytes()
+
+
+def test_sample_names_a_prompt_token_the_corpus_never_used(trained_out_dir):
+    result = run_script("sample.py", f"--out_dir={trained_out_dir}", "--start=ROMEO: 🎉", "--device=cpu")
+    assert result.returncode == 1
+    assert "never occurs in the text the model trained on" in result.stderr and "GPT-2 id" in result.stderr
+    assert "Traceback" not in result.stderr
 
 
 def test_sample_prints_text_from_the_checkpoint(trained_out_dir, tmp_path):

@@ -207,7 +207,7 @@ DATA_FAULTS = {
     "truncated": (corrupt_truncated, [], "val.bin is 72,018 bytes but meta.json says 36,059 uint16 tokens "
                                          "= 72,118 bytes; truncated"),
     "wrong dtype": (corrupt_wrong_dtype, [], "4 bytes per token, not 2 (uint16): wrong dtype?"),
-    "token ids": (corrupt_token_ids, [], "val.bin holds token id 60000, outside the vocabulary of 50257"),
+    "token ids": (corrupt_token_ids, [], "val.bin holds token id 60000, outside the vocabulary of 11706"),
     "missing": (corrupt_missing_without_source, [], "TINYSHAKESPEARE_PATH="),
     "block_size too long": (lambda folder: None, ["--block_size=40000"],
                             "block_size=40000 needs at least 40001 tokens per sample, but"),

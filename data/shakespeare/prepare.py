@@ -5,9 +5,11 @@
 input.txt comes from the first of: --input PATH, the environment variable
 TINYSHAKESPEARE_PATH, a copy already in the output folder, or a download of the char-rnn
 copy nanoGPT uses. The first 90% of characters become train, the last 10% val; with the
-real file that is 301,966 and 36,059 tokens. Tokens are stored as uint16 (GPT-2's 50,257
-ids fit), and meta.json records the dtype, vocabulary and token counts so the trainer can
-tell a truncated or wrong-dtype file from a good one.
+real file that is 301,966 and 36,059 tokens. The GPT-2 ids the corpus uses are renumbered
+densely (DenseVocab below) and stored as uint16. meta.json records the dtype, the vocabulary
+(vocab_size and gpt2_ids, dense id -> GPT-2 id, which sample.py decodes with), the token
+counts, so the trainer can tell a truncated or wrong-dtype file from a good one, and the
+character counts, so a loss in nats per token converts to bits per character.
 
 Every file is written to a temporary name in the same folder and renamed into place, so a
 run killed half way leaves either the old file or the new one, never a torn one; meta.json
@@ -40,19 +42,52 @@ class PrepareError(RuntimeError):
     pass
 
 
-OUTPUT_NAMES = ("train.bin", "val.bin", "meta.json")
+class DenseVocab:
+    """The GPT-2 token ids a corpus uses, renumbered 0..V-1 in order of GPT-2 id.
+
+    TinyShakespeare uses about a quarter of GPT-2's 50,257 tokens. A model over all of them
+    spends most of its output layer, and much of its step, on logits of tokens that never
+    occur (and learns to rule them out, which is all it ever learns about them). Text still
+    goes through tiktoken's GPT-2 BPE; only the numbering of its tokens changes, and
+    gpt2_ids (dense id i is GPT-2 token gpt2_ids[i]) turns it back."""
+
+    def __init__(self, gpt2_ids):
+        self.gpt2_ids = np.asarray(gpt2_ids, dtype=np.int64)
+        if np.any(np.diff(self.gpt2_ids) <= 0):
+            raise ValueError("gpt2_ids: expected strictly increasing GPT-2 token ids")
+
+    @classmethod
+    def of_corpus(cls, token_arrays):
+        """The vocabulary of every GPT-2 id that occurs in any of the arrays."""
+        return cls(np.unique(np.concatenate([np.asarray(tokens, dtype=np.int64) for tokens in token_arrays])))
+
+    def __len__(self):
+        return len(self.gpt2_ids)
+
+    def to_dense(self, gpt2_tokens):
+        """GPT-2 ids -> dense ids (int64 array); ValueError naming the first id it lacks."""
+        gpt2_tokens = np.asarray(gpt2_tokens, dtype=np.int64)
+        dense = np.searchsorted(self.gpt2_ids, gpt2_tokens).clip(max=len(self) - 1)
+        missing = gpt2_tokens[self.gpt2_ids[dense] != gpt2_tokens]
+        if len(missing):
+            raise ValueError(f"GPT-2 token {int(missing[0])} is not in the vocabulary (the corpus never uses it)")
+        return dense
+
+    def to_gpt2(self, dense_tokens):
+        """Dense ids -> GPT-2 ids (a list, as tiktoken's decode takes)."""
+        return self.gpt2_ids[np.asarray(dense_tokens, dtype=np.int64)].tolist()
 
 
-def prepare(out_dir=DEFAULT_OUT_DIR, input_path=None, if_missing=False):
+def prepare(out_dir=DEFAULT_OUT_DIR, input_path=None, skip_if=None):
     """Write train.bin, val.bin and meta.json into out_dir; return the meta dict.
 
-    if_missing=True leaves a folder that holds all three files as it is and returns None:
-    for callers that found the folder unprepared and may have waited for the lock while
-    another process prepared it (re-preparing would delete the meta.json that process is
-    about to read)."""
+    skip_if(out_dir) -> bool, asked under the folder's lock: when it is true the folder is left
+    as it is and None returned. For callers that found the folder unprepared and may have
+    waited for the lock while another process prepared it (re-preparing would delete the
+    meta.json that process is about to read)."""
     os.makedirs(out_dir, exist_ok=True)
     with folder_lock(out_dir):
-        if if_missing and all(os.path.exists(os.path.join(out_dir, name)) for name in OUTPUT_NAMES):
+        if skip_if is not None and skip_if(out_dir):
             return None
         return write_dataset(out_dir, input_path)
 
@@ -78,11 +113,16 @@ def write_dataset(out_dir, input_path):
     meta_path = os.path.join(out_dir, "meta.json")
     if os.path.exists(meta_path):
         os.remove(meta_path)
-    meta = {"encoding": ENCODING, "vocab_size": encoder.n_vocab, "dtype": np.dtype(TOKEN_DTYPE).name}
-    for split, split_text in splits.items():
-        tokens = np.array(encoder.encode_ordinary(split_text), dtype=TOKEN_DTYPE)
-        write_atomically(os.path.join(out_dir, f"{split}.bin"), tokens.tobytes())
-        meta[f"{split}_tokens"] = len(tokens)
+    gpt2_tokens = {split: np.array(encoder.encode_ordinary(split_text), dtype=np.int64)
+                   for split, split_text in splits.items()}
+    vocab = DenseVocab.of_corpus(gpt2_tokens.values())
+    meta = {"encoding": ENCODING, "vocab_size": len(vocab), "dtype": np.dtype(TOKEN_DTYPE).name}
+    for split, tokens in gpt2_tokens.items():
+        dense = vocab.to_dense(tokens).astype(TOKEN_DTYPE)
+        write_atomically(os.path.join(out_dir, f"{split}.bin"), dense.tobytes())
+        meta[f"{split}_tokens"] = len(dense)
+        meta[f"{split}_chars"] = len(splits[split])
+    meta["gpt2_ids"] = vocab.gpt2_ids.tolist()
     write_atomically(meta_path, (json.dumps(meta, indent=2) + "\n").encode())
     return meta
 
@@ -165,7 +205,7 @@ def main():
     except PrepareError as e:
         sys.exit(f"prepare error: {e}")
     print(f"train.bin has {meta['train_tokens']:,} tokens, val.bin has {meta['val_tokens']:,} tokens "
-          f"({meta['dtype']}, {meta['encoding']} encoding) in {args.out_dir}")
+          f"({meta['dtype']}, {meta['vocab_size']:,} of {meta['encoding']}'s tokens) in {args.out_dir}")
 
 
 if __name__ == "__main__":

@@ -1,0 +1,202 @@
+"""Where a training step's time goes: torch.profiler over a few steady-state steps, the
+device time sorted into the parts of a GPT step, and what attention keeps in memory.
+
+train.py --profile=True profiles PROFILE_STEPS steps right after its timing warm-up and
+writes out_dir/profile.json (and profile_trace.json, for chrome://tracing or Perfetto);
+compare.py --profile=True does so for every backend and draws the parts side by side.
+
+Every GPU kernel (on the CPU: every op's own CPU time) goes to one category:
+  attention forward    launched inside model.py's "attention" range (model.labelled)
+  attention backward   launched by an autograd node that a forward op in that range made
+                       (autograd tags both with the same sequence number)
+  output layer + loss  the same, for the "output layer + loss" range (lm_head, cross-entropy)
+  optimizer            train.py's "optimizer" range: gradient clipping, AdamW, zero_grad
+  matmuls              any other matmul (aten::mm, addmm, bmm, ...): the transformer's layers
+  everything else      layer norms, GELU, dropout, residual adds, embeddings, copies
+  idle                 the step's wall time the device spent idle: waiting for the host to
+                       launch work (on the CPU: time outside any torch op, Python itself)
+Compiled code hides the ranges from the profiler in places, so kernels that fall through
+are sorted by name: attention kernels (flash/fmha/attn) and matmul kernels (gemm, mm
+templates); a fused kernel that mixes attention with other work counts as everything else.
+"""
+import json
+import os
+
+import torch
+from torch.autograd import DeviceType
+from torch.profiler import ProfilerActivity, profile, schedule
+
+from model import ATTENTION_RANGE, OUTPUT_RANGE
+
+PROFILE_STEPS = 3  # steps recorded, after one the profiler warms up on
+PROFILE_NAME = "profile.json"
+TRACE_NAME = "profile_trace.json"
+CATEGORIES = ("attention forward", "attention backward", "matmuls", "output layer + loss", "optimizer",
+              "everything else", "idle")
+# model.py's and train.py's ranges -> the category of their forward work and of its backward
+OPTIMIZER_RANGE = "optimizer"  # train.py's
+RANGES = {
+    ATTENTION_RANGE: ("attention forward", "attention backward"),
+    OUTPUT_RANGE: ("output layer + loss", "output layer + loss"),
+    OPTIMIZER_RANGE: ("optimizer", "optimizer"),
+}
+MATMUL_OPS = {"aten::mm", "aten::addmm", "aten::bmm", "aten::baddbmm", "aten::matmul", "aten::linear",
+              "aten::_scaled_mm"}
+BACKWARD_NODE = "autograd::engine::evaluate_function: "
+
+
+def step_profiler(out_dir, skip_steps, on_result):
+    """A torch.profiler that skips skip_steps steps, warms up on one and records
+    PROFILE_STEPS; call .step() after every training step. When the recorded steps end, it
+    hands on_result the category times (see attribute) and writes the trace to out_dir."""
+    activities = [ProfilerActivity.CPU] + ([ProfilerActivity.CUDA] if torch.cuda.is_available() else [])
+
+    def ready(prof):
+        # Also called when a run stops before or during the recorded steps: nothing to report then.
+        events = prof.events()
+        if sum(e.name.startswith("ProfilerStep") for e in events) == PROFILE_STEPS:
+            on_result(attribute(events))
+            prof.export_chrome_trace(os.path.join(out_dir, TRACE_NAME))
+
+    return profile(activities=activities, on_trace_ready=ready,
+                   schedule=schedule(skip_first=skip_steps, wait=0, warmup=1, active=PROFILE_STEPS, repeat=1))
+
+
+def ancestors(event):
+    while event is not None:
+        yield event
+        event = event.cpu_parent
+
+
+def attribute(events):
+    """{"device": "cuda" | "cpu", "steps": n, "step_ms": wall time per step,
+    "ms": {category: ms per step}} from the events of a profile over n steps."""
+    cpu_events = [e for e in events if e.device_type == DeviceType.CPU]
+    device_events = [e for e in events if e.device_type == DeviceType.CUDA]
+    steps = [e for e in cpu_events if e.name.startswith("ProfilerStep")]
+    if not steps:
+        raise ValueError("the profile holds no ProfilerStep ranges: was .step() called?")
+    step_us = sum(e.time_range.elapsed_us() for e in steps)
+
+    # Forward ops inside a range, by the sequence number their autograd node will carry.
+    range_of_sequence = {}
+    for e in cpu_events:
+        if e.sequence_nr >= 0 and not e.name.startswith(BACKWARD_NODE):
+            chain = list(ancestors(e))
+            if not any(a.name.startswith(BACKWARD_NODE) for a in chain):
+                name = next((a.name for a in chain if a.name in RANGES), None)
+                if name is not None:
+                    range_of_sequence[e.sequence_nr] = name
+
+    def category_of_op(op):
+        chain = list(ancestors(op))
+        for a in chain:
+            if a.name in RANGES:
+                return RANGES[a.name][0]
+            if a.name.startswith(BACKWARD_NODE) and a.sequence_nr in range_of_sequence:
+                return RANGES[range_of_sequence[a.sequence_nr]][1]
+            if a.name.startswith("Optimizer."):
+                return "optimizer"
+        return "matmuls" if any(a.name in MATMUL_OPS for a in chain) else "everything else"
+
+    us = dict.fromkeys(CATEGORIES, 0.0)
+    if device_events:
+        by_id = {e.id: e for e in cpu_events}
+        for kernel in device_events:
+            owner = by_id.get(kernel.linked_correlation_id)
+            category = category_of_op(owner) if owner is not None else "everything else"
+            if category == "everything else":
+                category = category_of_kernel_name(kernel.name)
+            us[category] += kernel.time_range.elapsed_us()
+        busy_us = union_us([(k.time_range.start, k.time_range.end) for k in device_events],
+                           [(s.time_range.start, s.time_range.end) for s in steps])
+        device = "cuda"
+    else:
+        ops = [e for e in cpu_events if e not in steps]
+        for op in ops:
+            us[category_of_op(op)] += op.self_cpu_time_total
+        busy_us = sum(op.self_cpu_time_total for op in ops)
+        device = "cpu"
+    us["idle"] = max(step_us - busy_us, 0.0)
+    return {"device": device, "steps": len(steps), "step_ms": step_us / len(steps) / 1000,
+            "ms": {category: value / len(steps) / 1000 for category, value in us.items()}}
+
+
+# Kernel names, for kernels no range reaches: torch's flash, memory-efficient and cuDNN
+# attention (flash_bwd..., fmha_cutlassB..., ..._sdpa_..._bprop...) and this repo's
+# (_attn_fwd, _bwd_dq, _bwd_dkdv).
+ATTENTION_KERNEL_WORDS = ("flash", "fmha", "attn", "attention", "sdpa", "_bwd_dq", "_bwd_dkdv")
+BACKWARD_KERNEL_WORDS = ("bwd", "backward", "bprop", "cutlassb")
+
+
+def category_of_kernel_name(name):
+    lower = name.lower()
+    if any(word in lower for word in ATTENTION_KERNEL_WORDS):
+        backward = any(word in lower for word in BACKWARD_KERNEL_WORDS)
+        return "attention backward" if backward else "attention forward"
+    if any(word in lower for word in ("gemm", "nvjet", "cutlass", "xmma")) or "_mm" in lower or "bmm" in lower:
+        return "matmuls"
+    return "everything else"
+
+
+def union_us(intervals, windows):
+    """Total length of the union of intervals, counted inside the windows only."""
+    total, end = 0.0, float("-inf")
+    for start, stop in sorted(intervals):
+        start = max(start, end)
+        if stop > start:
+            total += sum(max(0.0, min(stop, w_stop) - max(start, w_start)) for w_start, w_stop in windows)
+            end = stop
+    return total
+
+
+def attention_saved_mb(model, x, y, amp):
+    """MB of tensors attention keeps for its backward pass in one forward of (x, y): those
+    saved between each block's qkv projection and its output projection, counted once per
+    storage. Run on the uncompiled model, with the random streams put back afterwards, so
+    it changes nothing for the run that asks."""
+    saved, counting = {}, [False]
+
+    def pack(tensor):
+        if counting[0]:
+            storage = tensor.untyped_storage()
+            saved[(storage.data_ptr(), storage.device)] = storage.nbytes()
+        return tensor
+
+    hooks = []
+    for block in model.transformer.h:
+        hooks.append(block.attn.c_attn.register_forward_hook(lambda *_: counting.__setitem__(0, True)))
+        hooks.append(block.attn.c_proj.register_forward_pre_hook(lambda *_: counting.__setitem__(0, False)))
+    devices = [x.device] if x.device.type == "cuda" else []
+    try:
+        with torch.random.fork_rng(devices=devices), torch.autograd.graph.saved_tensors_hooks(pack, lambda t: t):
+            with amp:
+                model(x, y)
+    finally:
+        for hook in hooks:
+            hook.remove()
+    return sum(saved.values()) / 2**20
+
+
+def write_profile(out_dir, result):
+    tmp_path = os.path.join(out_dir, PROFILE_NAME + ".tmp")
+    with open(tmp_path, "w") as f:
+        json.dump(result, f, indent=2)
+        f.write("\n")
+    os.replace(tmp_path, os.path.join(out_dir, PROFILE_NAME))
+
+
+def remove_profile(out_dir):
+    """Delete a profile an earlier run left in out_dir, so any profile there is this run's."""
+    for name in (PROFILE_NAME, TRACE_NAME):
+        if os.path.exists(os.path.join(out_dir, name)):
+            os.remove(os.path.join(out_dir, name))
+
+
+def read_profile(out_dir):
+    """out_dir/profile.json, or None when the run did not profile."""
+    path = os.path.join(out_dir, PROFILE_NAME)
+    if not os.path.exists(path):
+        return None
+    with open(path) as f:
+        return json.load(f)
