@@ -15,17 +15,21 @@ from conftest import REPO, run_script, script_command
 from data.batches import DataError, read_meta
 from model import GPT, GPTConfig
 
-GOOD_META = {"encoding": "gpt2", "vocab_size": 50257, "dtype": "uint16", "train_tokens": 301_966, "val_tokens": 36_059}
+GOOD_META = {"encoding": "gpt2", "vocab_size": 300, "dtype": "uint16", "gpt2_ids": list(range(0, 600, 2)),
+             "train_tokens": 301_966, "val_tokens": 36_059, "train_chars": 1_003_854, "val_chars": 111_540}
 BAD_META = [
     ({"dtype": "int16"}, "dtype='int16', expected one of uint8, uint16, uint32"),
     ({"dtype": "float16"}, "dtype='float16', expected one of"),
     ({"dtype": "foo"}, "dtype='foo', expected one of"),
     ({"train_tokens": 0}, "train_tokens=0, expected an int >= 1"),
     ({"val_tokens": 12.5}, "val_tokens=12.5, expected an int >= 1"),
-    ({"vocab_size": "50257"}, "vocab_size='50257', expected an int >= 1"),
+    ({"vocab_size": "300"}, "vocab_size='300', expected an int >= 1"),
+    ({"train_chars": -1}, "train_chars=-1, expected an int >= 1"),
+    ({"gpt2_ids": [3, "a"]}, "gpt2_ids=[3, 'a'], expected a list of GPT-2 token ids"),
+    ({"gpt2_ids": [1, 2, 3]}, "3 gpt2_ids for vocab_size=300, expected one GPT-2 id per token id"),
     ({"vocab_size": None}, "vocab_size=None, expected an int >= 1"),
     ({"vocab_size": True}, "vocab_size=True, expected an int >= 1"),
-    ({"dtype": "uint8"}, "vocab_size=50257, but its dtype uint8 holds ids up to 255 only"),
+    ({"dtype": "uint8"}, "vocab_size=300, but its dtype uint8 holds ids up to 255 only"),
 ]
 
 
