@@ -12,6 +12,9 @@ metrics.py), saves out_dir/ckpt.pt at evaluations and, with --wandb_log=True, lo
 same to wandb. Under torchrun (see ddp.py) every process trains on batches of its own and
 rank 0 alone logs, evaluates and saves.
 
+Paths: out_dir, config files and an explicit data_dir are relative to the current
+directory; the default data_dir is data/shakespeare inside the repo, wherever you run from.
+
 Exit status:
     0          the run reached max_iters
     1          an error stopped it: bad data, an unusable checkpoint, a non-finite loss
@@ -409,7 +412,7 @@ def main(argv=None):
     sys.stdout.reconfigure(line_buffering=True)  # log lines show up at once, even through a pipe
     argv = sys.argv[1:] if argv is None else list(argv)
     world = World()
-    config = parse_config(TrainConfig, argv, check=lambda config: check_config(config, world.size))
+    config = parse_config(TrainConfig, argv, check=lambda config: check_config(config, world.size), usage=__doc__)
     if not config.wandb_run_name:
         config = replace(config, wandb_run_name=f"{config.attn}-{config_name(argv)}")
     try:
