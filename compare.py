@@ -277,7 +277,8 @@ def plot_comparison(runs, path, setup, reference):
                      label=f"{run.label}{same} val")
     title = "loss: train every iteration, val at evaluations"
     if coincide:
-        title += f"\n{', '.join(run.label for run in coincide)}: within a pixel of {reference.label}'s curves, drawn as {reference.label}"
+        merged = ", ".join(run.label for run in coincide)
+        title += f"\n{merged}: within a pixel of {reference.label}'s curves, drawn as {reference.label}"
     loss_ax.set(title=title, xlabel="iteration", ylabel="cross-entropy")
     loss_ax.legend(fontsize=7)
 

@@ -43,7 +43,7 @@ class SampleConfig:
     kv_cache: bool = True  # keep each layer's keys and values, feed one new token per step
     benchmark: bool = False  # print decode tokens/s with and without the KV cache (every backend unless --attn)
     device: str = choice("auto", ("auto", "cpu", "cuda"))  # auto: cuda if torch sees a GPU, else cpu
-    dtype: str = choice("auto", ("auto", "float32", "bfloat16", "float16"))  # auto: bf16 on GPUs that have it, else fp16; fp32 on the CPU
+    dtype: str = choice("auto", ("auto", "float32", "bfloat16", "float16"))  # auto: bf16 or fp16 on a GPU, fp32 on the CPU
 
 
 # A random-init model has the shape of the GPU run (configs/shakespeare.py), for timing

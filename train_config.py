@@ -12,7 +12,7 @@ from data.shakespeare.prepare import DEFAULT_OUT_DIR as DEFAULT_DATA_DIR
 @dataclass
 class TrainConfig:
     # output, evaluation, checkpoints
-    out_dir: str = "out-shakespeare"  # where ckpt.pt, metrics.jsonl and config.json go (relative to the current directory)
+    out_dir: str = "out-shakespeare"  # for ckpt.pt, metrics.jsonl, config.json; relative to the current dir
     init_from: str = choice("scratch", ("scratch", "resume"))  # resume: continue from out_dir/ckpt.pt
     eval_interval: int = 250  # evaluate (and checkpoint) every this many iterations
     eval_iters: int = 200  # batches per split in each evaluation
@@ -23,7 +23,7 @@ class TrainConfig:
     wandb_project: str = "nanoFA2"  # the wandb project
     wandb_run_name: str = ""  # the wandb run name; "": "<attn>-<config file name>", e.g. triton-shakespeare
     # data
-    data_dir: str = DEFAULT_DATA_DIR  # token files, prepared here on first use; default: data/shakespeare in the repo, an explicit path is relative to the current directory
+    data_dir: str = DEFAULT_DATA_DIR  # token files, prepared here if missing; default in the repo, a given path relative to the current dir
     batch_size: int = 32  # sequences per micro-batch, per process
     gradient_accumulation_steps: int = 2  # micro-batches per optimizer step, over all processes
     block_size: int = 256  # context length in tokens
