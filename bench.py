@@ -1,4 +1,5 @@
-"""Attention benchmark: every provider side by side, in one process, on one card.
+"""Attention benchmark: every provider side by side, in one process, on one card. Needs a
+CUDA GPU (it times GPU kernels); without one it stops at once.
 
     python bench.py                  # paper grid + long-context grid -> bench-out/
     python bench.py --quick          # a few shapes of each grid
@@ -419,7 +420,7 @@ def main():
     parser.add_argument("--out", default="bench-out", help="folder for attention.json/.md/.png")
     parser.add_argument("--quick", action="store_true", help="a few shapes of each grid")
     parser.add_argument("--grid", choices=("paper", "long", "all"), default="all")
-    parser.add_argument("--providers", default=",".join(PROVIDERS), help="comma-separated subset of " + ",".join(PROVIDERS))
+    parser.add_argument("--providers", default=",".join(PROVIDERS), help="comma-separated subset of: " + ", ".join(PROVIDERS))
     parser.add_argument("--rep_ms", type=int, default=100, help="do_bench's timing window per measurement")
     parser.add_argument("--configs", action="store_true", help="sweep the Triton kernels' tile configs instead")
     parser.add_argument("--ladder", action="store_true", help="docs/optimisation.md's forward ladder instead")
@@ -430,7 +431,7 @@ def main():
     args = parser.parse_args()
     if not torch.cuda.is_available():
         raise SystemExit("bench.py needs a CUDA GPU")
-    providers = args.providers.split(",")
+    providers = [provider.strip() for provider in args.providers.split(",")]
     unknown = sorted(set(providers) - set(PROVIDERS))
     if unknown:
         raise SystemExit(f"--providers: unknown {unknown}; choose from {','.join(PROVIDERS)}")

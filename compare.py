@@ -1,4 +1,4 @@
-"""Train the same model with each attention backend and compare them: loss curves, step
+r"""Train the same model with each attention backend and compare them: loss curves, step
 time, throughput and memory.
 
     python compare.py configs/tiny.py --max_iters=20                 # every backend, on the CPU
@@ -11,7 +11,8 @@ time, throughput and memory.
 
 Each backend trains in a subprocess of train.py with the same config and seed, so the
 same initial weights and batches; every train.py key (--max_iters, --max_memory_gb, ...)
-is passed on, and runs log every iteration unless --log_interval says otherwise. Writes to
+is passed on, and runs log every iteration and evaluate five times (--eval_interval =
+max_iters / 5) unless --log_interval or --eval_interval say otherwise. Writes to
 --out (default out-compare/):
 
   runs/<backend>/          each run's out_dir, with its train.log
@@ -53,7 +54,7 @@ from matplotlib.figure import Figure
 from tqdm import tqdm
 
 from attention import BACKENDS
-from configurator import ConfigError, describe, parse_config
+from configurator import ConfigError, describe, join_overrides, parse_config
 from devices import EXIT_OUT_OF_MEMORY
 from metrics import CONFIG_NAME, METRICS_NAME, read_metrics, read_run_config
 from profiling import CATEGORIES, read_profile
@@ -140,6 +141,7 @@ def parse_args(argv):
         print("\n".join(describe(CompareConfig).splitlines()[1:]))
         print("and any train.py key (python train.py --help), passed on to every run")
         sys.exit(0)
+    argv = join_overrides(argv)
     own_keys = {f.name for f in fields(CompareConfig)}
     own = [arg for arg in argv if arg.startswith("--") and arg[2:].partition("=")[0] in own_keys]
     passed_on = [arg for arg in argv if arg not in own]
@@ -378,16 +380,27 @@ def plot_comparison(runs, path, setup, reference):
     fig.suptitle(f"Attention backends compared: {setup}", fontsize=9)
     trained = [run for run in runs if run.finished]
 
+    # A backend whose curves lie within a pixel of the reference's is not drawn over it (its
+    # colour would hide under the reference's); the reference's legend entry names it instead.
+    coincide = coinciding_runs(trained, reference)
     for run in trained:
+        if run in coincide:
+            continue
         color = COLORS.get(run.config["attn"])
         steps = [r for r in run.records if "loss" in r]
         evals = [r for r in run.records if "val_loss" in r]
+        same = f" (= {', '.join(other.label for other in coincide)})" if run is reference and coincide else ""
         loss_ax.plot([r["iter"] for r in steps], [r["loss"] for r in steps], color=color, alpha=0.5, lw=1,
-                     label=f"{run.label} train")
-        loss_ax.plot([r["iter"] for r in evals], [r["val_loss"] for r in evals], "o--", color=color, ms=4,
-                     label=f"{run.label} val")
-    loss_ax.set(title="loss (backends that agree draw one curve)", xlabel="iteration", ylabel="cross-entropy")
-    loss_ax.legend(fontsize=7, ncol=2)
+                     label=f"{run.label}{same} train")
+        # Evaluations are points: a line between them would claim values nobody measured.
+        loss_ax.plot([r["iter"] for r in evals], [r["val_loss"] for r in evals], "o", color=color, ms=5,
+                     label=f"{run.label}{same} val")
+    title = "loss: train every iteration, val at evaluations"
+    if coincide:
+        merged = ", ".join(run.label for run in coincide)
+        title += f"\n{merged}: within a pixel of {reference.label}'s curves, drawn as {reference.label}"
+    loss_ax.set(title=title, xlabel="iteration", ylabel="cross-entropy")
+    loss_ax.legend(fontsize=7)
 
     if reference is not None:
         reference_loss = {r["iter"]: r["loss"] for r in reference.records if "loss" in r}
@@ -412,15 +425,34 @@ def plot_comparison(runs, path, setup, reference):
         no_data(time_ax, "no steady-state steps (max_iters too small)")
 
     bar_chart(speed_ax, runs, "tokens_per_s", median_of, "tokens/s (median)", "tokens/s", "{:,.0f}")
+    gpu = trained[0].config.get("gpu") if trained else None
+    no_mfu = (f"no MFU: devices.py has no bf16 peak\nfor the {gpu} to divide by." if gpu else
+              "no MFU: it is a fraction of a GPU's bf16 peak,\nand these runs trained on the CPU.")
     bar_chart(mfu_ax, runs, "mfu", lambda run, key: median_of(run, key) and 100 * median_of(run, key),
-              "MFU (median)", "% of the card's bf16 peak", "{:.1f}%", "n/a: no GPU, or one devices.py has no peak for")
+              "MFU (median)", "% of the card's bf16 peak", "{:.1f}%", no_mfu)
     bar_chart(memory_ax, runs, "peak_mem_mb", lambda run, key: peak_memory(run), "peak GPU memory", "MB", "{:,.0f}",
-              "n/a: no GPU")
+              "no peak GPU memory: these runs trained on the CPU.")
     cap = trained[0].config.get("max_memory_gb") if trained else None
     if cap and memory_ax.axison:
         draw_cap(memory_ax, cap)
         memory_ax.legend(fontsize=7)
     fig.savefig(path, dpi=120)
+
+
+def coinciding_runs(runs, reference):
+    """The runs (not the reference) whose train and val loss curves stay within about a pixel
+    of the reference's at every iteration: 1/500 of the reference's loss range."""
+    if reference is None:
+        return []
+    losses = [r[key] for r in reference.records for key in ("loss", "val_loss") if key in r]
+    tolerance = (max(losses) - min(losses)) / 500 if losses else 0.0
+
+    def within_tolerance(run, key):
+        difference = max_difference(run, reference, key)
+        return difference is not None and difference <= tolerance
+
+    return [run for run in runs
+            if run is not reference and within_tolerance(run, "loss") and within_tolerance(run, "val_loss")]
 
 
 def draw_cap(ax, max_memory_gb):
@@ -430,11 +462,11 @@ def draw_cap(ax, max_memory_gb):
     ax.set_ylim(top=max(ax.get_ylim()[1], 1.08 * cap_mb))
 
 
-def bar_chart(ax, runs, key, value_of, title, unit, label_format, missing="n/a"):
+def bar_chart(ax, runs, key, value_of, title, unit, label_format, missing=None):
     """One bar per run; a run that ran out of memory or failed gets a label instead of a bar."""
     values = {run.label: value_of(run, key) for run in runs if run.finished}
     if all(value is None for value in values.values()):
-        no_data(ax, f"{title}: {missing}")
+        no_data(ax, missing or f"{title}: n/a")
         return
     for i, run in enumerate(runs):
         if not run.finished:
@@ -588,7 +620,8 @@ def main(argv=None):
             variants = [("", []), (" compiled", ["--compile=True"])] if config.compile_both else [("", [])]
             profile = ["--profile=True"] if config.profile else []
             runs = [train(backend + suffix, os.path.join(config.out, "runs", (backend + suffix).replace(" ", "-")),
-                          ["--log_interval=1", *passed_on, *profile, *extra, f"--attn={backend}"],
+                          ["--log_interval=1", f"--eval_interval={max(1, train_config.max_iters // 5)}", *passed_on,
+                           *profile, *extra, f"--attn={backend}"],
                           train_config.max_iters)
                     for backend in backends for suffix, extra in variants]
             write_comparison(runs, config.out, command)

@@ -14,15 +14,22 @@ and is run as
     python train.py configs/tiny.py --max_iters=50 --attn=sdpa
 
 Positional arguments are config files: Python files whose top-level assignments set keys
-(applied in order). `--key=value` overrides come after all files, whatever their position.
+(applied in order). `--key=value` (or `--key value`) overrides come after all files,
+whatever their position.
 Every value is checked against the field's type and, for `choice` fields, its allowed
 values, so a typo stops the run at once instead of training with a default. Errors exit
 with status 2 (the usual status for bad usage) and a message naming the key; `--help`
-lists every key with its type, default and choices.
+lists every key with its type, default, choices and meaning. A key's meaning is the comment
+at the end of its line in the dataclass, read from the source, so it is written once.
 """
 import dataclasses
 import difflib
+import inspect
+import io
+import re
 import sys
+import textwrap
+import tokenize
 import types
 
 EXIT_BAD_CONFIG = 2
@@ -37,15 +44,16 @@ def choice(default, choices):
     return dataclasses.field(default=default, metadata={"choices": tuple(choices)})
 
 
-def parse_config(config_class, argv=None, check=None):
+def parse_config(config_class, argv=None, check=None, usage=""):
     """Build a `config_class` from argv (default sys.argv[1:]); exit 2 on a bad key or value.
 
     `check(config)` may raise ConfigError for rules that involve several keys
-    (e.g. n_embd divisible by n_head); it is reported the same way.
+    (e.g. n_embd divisible by n_head); it is reported the same way. `usage` (the script's
+    docstring) is printed by --help above the keys.
     """
     argv = sys.argv[1:] if argv is None else list(argv)
     if "-h" in argv or "--help" in argv:
-        print(describe(config_class))
+        print(f"{usage.strip()}\n\n{describe(config_class)}" if usage else describe(config_class))
         sys.exit(0)
     try:
         config = build_config(config_class, argv)
@@ -57,15 +65,28 @@ def parse_config(config_class, argv=None, check=None):
     return config
 
 
+def join_overrides(argv):
+    """The arguments with each `--key value` pair joined into `--key=value`, as argparse users
+    expect; a `--key` with no value after it is left alone (and rejected by build_config)."""
+    joined = []
+    for arg in argv:
+        previous = joined[-1] if joined else ""
+        if not arg.startswith("--") and previous.startswith("--") and "=" not in previous:
+            joined[-1] = f"{previous}={arg}"
+        else:
+            joined.append(arg)
+    return joined
+
+
 def config_files(argv):
     """The config files among the arguments: everything that is not a --key=value."""
-    return [arg for arg in argv if not arg.startswith("--")]
+    return [arg for arg in join_overrides(argv) if not arg.startswith("--")]
 
 
 def build_config(config_class, argv):
     fields = {f.name: f for f in dataclasses.fields(config_class)}
     values = {}
-    overrides = [arg for arg in argv if arg.startswith("--")]
+    overrides = [arg for arg in join_overrides(argv) if arg.startswith("--")]
     for path in config_files(argv):
         for key, value in read_config_file(path).items():
             where = f"{key} (set in {path})"
@@ -74,7 +95,7 @@ def build_config(config_class, argv):
     for arg in overrides:
         key, sep, text = arg[2:].partition("=")
         if not sep:
-            raise ConfigError(f"{arg!r}: overrides are written --key=value")
+            raise ConfigError(f"{arg!r}: overrides are written --key=value (or --key value)")
         field = lookup_field(fields, key, f"--{key}")
         values[key] = check_value(field, parse_text(field, text, f"--{key}"), f"--{key}")
     return config_class(**values)
@@ -138,10 +159,27 @@ def type_name(t):
     return {bool: "a bool", int: "an int", float: "a float", str: "a string"}.get(t, str(t))
 
 
+def field_meanings(config_class):
+    """{key: its one-line meaning}: the comment that ends the key's line in the class source."""
+    source = textwrap.dedent(inspect.getsource(config_class))
+    comments = {token.start[0]: token.string.lstrip("#").strip()
+                for token in tokenize.generate_tokens(io.StringIO(source).readline) if token.type == tokenize.COMMENT}
+    meanings = {}
+    for number, line in enumerate(source.splitlines(), start=1):
+        match = re.match(r"\s+(\w+)\s*:", line)
+        if match and number in comments:
+            meanings[match[1]] = comments[number]
+    return meanings
+
+
 def describe(config_class):
-    lines = [f"{config_class.__name__} keys (set in config files or as --key=value):"]
+    """Every key with its default, type, choices and meaning: what --help prints."""
+    meanings = field_meanings(config_class)
+    lines = [f"{config_class.__name__} keys (set in config files, or as --key=value or --key value):"]
     for field in dataclasses.fields(config_class):
         choices = field.metadata.get("choices")
-        extra = f"  choices: {', '.join(map(str, choices))}" if choices else ""
-        lines.append(f"  --{field.name}={field.default!r}  ({field.type.__name__}){extra}")
+        extra = f", one of {', '.join(map(str, choices))}" if choices else ""
+        lines.append(f"  --{field.name}={field.default!r}  ({field.type.__name__}{extra})")
+        if field.name in meanings:
+            lines.append(f"      {meanings[field.name]}")
     return "\n".join(lines)

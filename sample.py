@@ -1,10 +1,11 @@
 """Generate text from a trained checkpoint, or time decoding.
 
     python sample.py --out_dir=out-shakespeare --start="ROMEO:"
-    python sample.py --out_dir=out-tiny --start=FILE:prompt.txt --num_samples=3 --attn=sdpa
+    python sample.py --out_dir=out-tiny --start=FILE:data/shakespeare/prompt.txt --num_samples=3 --attn=sdpa
     python sample.py --benchmark=True --init_from=random --max_new_tokens=255 --num_samples=1
 
---start is the prompt, or FILE:path to read it from a file. --attn picks the attention
+--start is the prompt, or FILE:path to read it from a file (relative to the current
+directory; the repo ships data/shakespeare/prompt.txt). --attn picks the attention
 backend (by default the one the checkpoint was trained with). --kv_cache=True (the default)
 keeps every layer's keys and values and feeds one new token per step; --kv_cache=False
 feeds the whole context every step (see GPT.generate); on a GPU the cached one-token step is a
@@ -12,18 +13,20 @@ CUDA graph, replayed per token. --compile=True compiles that step first (GPT.com
 one Inductor graph inside the CUDA graph; the first tokens wait for the compile). --benchmark=True prints decode
 tokens/s with and without the cache instead of text. Settings are the SampleConfig fields
 below (see configurator.py; `python sample.py --help` lists them).
+
+Exit status: 0 done; 1 an error stopped it (no usable checkpoint, an unreadable prompt file,
+no such device); 2 bad configuration (unknown key, wrong type, value not allowed).
 """
 import sys
 import time
 from dataclasses import dataclass, replace
 
-import tiktoken
 import torch
 
 from attention import BACKENDS
 from checkpoint import CheckpointError, load_checkpoint
 from configurator import EXIT_BAD_CONFIG, ConfigError, choice, parse_config
-from data.shakespeare.prepare import DenseVocab
+from data.shakespeare.prepare import DenseVocab, PrepareError, load_encoder
 from devices import DeviceError, autocast, pick_device, pick_dtype, synchronize
 from model import GPT, GPTConfig
 from train_config import check_attn_head_dim
@@ -33,18 +36,18 @@ from train_config import check_attn_head_dim
 class SampleConfig:
     out_dir: str = "out-shakespeare"  # the folder holding ckpt.pt
     init_from: str = choice("checkpoint", ("checkpoint", "random"))  # random: untrained, configs/shakespeare.py's shape
-    start: str = "\n"  # the prompt, or FILE:path
-    num_samples: int = 2  # with --benchmark=True: the batch, sequences decoded side by side
-    max_new_tokens: int = 300
+    start: str = "\n"  # the prompt, or FILE:path to read it from a file, e.g. FILE:data/shakespeare/prompt.txt
+    num_samples: int = 2  # samples to generate; with --benchmark=True, the batch decoded side by side
+    max_new_tokens: int = 300  # tokens to generate after the prompt
     temperature: float = 0.8  # < 1 sharpens the distribution, > 1 flattens it; at least MIN_TEMPERATURE
     top_k: int = 200  # sample from the k likeliest tokens only; 0 for all
-    seed: int = 1337
+    seed: int = 1337  # seeds the sampling (and a random-init model)
     attn: str = choice("checkpoint", ("checkpoint",) + BACKENDS)  # "checkpoint": the one it trained with
     kv_cache: bool = True  # keep each layer's keys and values, feed one new token per step
     compile: bool = False  # compile the one-token decode step (needs kv_cache=True) with Inductor
     benchmark: bool = False  # print decode tokens/s with and without the KV cache (every backend unless --attn)
-    device: str = choice("auto", ("auto", "cpu", "cuda"))
-    dtype: str = choice("auto", ("auto", "float32", "bfloat16", "float16"))
+    device: str = choice("auto", ("auto", "cpu", "cuda"))  # auto: cuda if torch sees a GPU, else cpu
+    dtype: str = choice("auto", ("auto", "float32", "bfloat16", "float16"))  # auto: bf16 or fp16 on a GPU, fp32 on the CPU
 
 
 # A random-init model has the shape of the GPU run (configs/shakespeare.py), for timing
@@ -153,13 +156,14 @@ def benchmark(config, model_args, state, prompt_ids, device, dtype):
 
 
 def main(argv=None):
-    config = parse_config(SampleConfig, argv, check=check_config)
+    config = parse_config(SampleConfig, argv, check=check_config, usage=__doc__)
     try:
         prompt = read_prompt(config.start)
         device = pick_device(config.device)
         dtype = pick_dtype(config.dtype, device)
         ckpt = load_checkpoint(config.out_dir) if config.init_from == "checkpoint" else None
-    except (ConfigError, DeviceError, CheckpointError) as e:
+        encoder = load_encoder()
+    except (ConfigError, DeviceError, CheckpointError, PrepareError) as e:
         sys.exit(f"error: {e}")
 
     # vocab: the dense numbering the model trained with (prepare.py); None for GPT-2's own ids
@@ -180,7 +184,6 @@ def main(argv=None):
         except ConfigError as e:
             print(f"config error: {e}", file=sys.stderr)
             sys.exit(EXIT_BAD_CONFIG)
-    encoder = tiktoken.get_encoding("gpt2")
     try:
         prompt_ids = torch.tensor([encode_prompt(encoder, prompt, vocab)], device=device)
     except ConfigError as e:

@@ -13,6 +13,9 @@ same to wandb; --profile=True also writes where a few steady steps' time went
 (out_dir/profile.json, see profiling.py). Under torchrun (see ddp.py) every process trains on batches of its own and
 rank 0 alone logs, evaluates and saves.
 
+Paths: out_dir, config files and an explicit data_dir are relative to the current
+directory; the default data_dir is data/shakespeare inside the repo, wherever you run from.
+
 Exit status:
     0          the run reached max_iters
     1          an error stopped it: bad data, an unusable checkpoint, a non-finite loss
@@ -562,7 +565,7 @@ def main(argv=None):
     argv = sys.argv[1:] if argv is None else list(argv)
     world = World()
     config = parse_config(TrainConfig, argv, check=lambda config: (check_config(config, world.size),
-                                                                     check_out_dir(config)))
+                                                                     check_out_dir(config)), usage=__doc__)
     if not config.wandb_run_name:
         config = replace(config, wandb_run_name=f"{config.attn}-{config_name(argv)}")
     try:

@@ -7,6 +7,7 @@ from dataclasses import dataclass
 from attention import BACKENDS
 from attention.inputs import TRITON_HEAD_DIMS
 from configurator import ConfigError, choice
+from data.shakespeare.prepare import DEFAULT_OUT_DIR as DEFAULT_DATA_DIR
 
 TRITON_BACKENDS = ("triton", "triton_fwd")
 MAX_SEED = 2**32 - 1  # numpy.random.seed takes [0, 2**32 - 1]
@@ -16,48 +17,47 @@ COMPILE_MODES = ("default", "reduce-overhead", "max-autotune", "max-autotune-no-
 @dataclass
 class TrainConfig:
     # output, evaluation, checkpoints
-    out_dir: str = "out-shakespeare"
-    init_from: str = choice("scratch", ("scratch", "resume"))
+    out_dir: str = "out-shakespeare"  # for ckpt.pt, metrics.jsonl, config.json; relative to the current dir
+    init_from: str = choice("scratch", ("scratch", "resume"))  # resume: continue from out_dir/ckpt.pt
     overwrite: bool = False  # True: a run from scratch may replace the run in out_dir (its ckpt.pt and metrics.jsonl)
     eval_interval: int = 100  # evaluate (and checkpoint) every this many iterations
     eval_iters: int = 50  # batches per split in each evaluation
-    log_interval: int = 10
+    log_interval: int = 10  # print and log a line every this many iterations
     always_save_checkpoint: bool = False  # True: save at every evaluation, not only when val loss improves
     # wandb (off by default; WANDB_MODE=offline writes a run folder for `wandb sync` instead of uploading)
-    wandb_log: bool = False
-    wandb_project: str = "nanoFA2"
-    wandb_run_name: str = ""  # "": "<attn>-<config file name>", e.g. triton-shakespeare
+    wandb_log: bool = False  # log to wandb as well
+    wandb_project: str = "nanoFA2"  # the wandb project
+    wandb_run_name: str = ""  # the wandb run name; "": "<attn>-<config file name>", e.g. triton-shakespeare
     # data
-    data_dir: str = "data/shakespeare"  # prepared here on first use
+    data_dir: str = DEFAULT_DATA_DIR  # token files, prepared here if missing; default in the repo, a given path relative to the current dir
     batch_size: int = 16  # sequences per micro-batch, per process
     gradient_accumulation_steps: int = 2  # micro-batches per optimizer step, over all processes
-    block_size: int = 512
+    block_size: int = 512  # context length in tokens
     # model
-    n_layer: int = 6
-    n_head: int = 6
-    n_embd: int = 384
-    dropout: float = 0.3
-    bias: bool = False
-    attn: str = choice("eager", BACKENDS)
+    n_layer: int = 6  # transformer blocks
+    n_head: int = 6  # attention heads; n_embd / n_head is the head dim
+    n_embd: int = 384  # model width
+    dropout: float = 0.3  # on embeddings, residual branches and the MLP (not inside attention)
+    bias: bool = False  # biases in Linear layers and LayerNorms
+    attn: str = choice("eager", BACKENDS)  # the attention backend (attention.BACKENDS)
     # optimizer and schedule: linear warmup, then cosine decay to min_lr at lr_decay_iters
-    learning_rate: float = 6e-4
-    max_iters: int = 600
-    weight_decay: float = 0.5
-    beta1: float = 0.9
-    beta2: float = 0.99
+    learning_rate: float = 6e-4  # peak learning rate, reached after warmup_iters
+    max_iters: int = 600  # optimizer steps to train for
+    weight_decay: float = 0.5  # AdamW weight decay, on matrices only
+    beta1: float = 0.9  # AdamW beta1
+    beta2: float = 0.99  # AdamW beta2
     grad_clip: float = 1.0  # clip the gradient norm to this; 0 turns clipping off
-    warmup_iters: int = 50
-    lr_decay_iters: int = 600
-    min_lr: float = 6e-5
+    warmup_iters: int = 50  # linear warmup steps
+    lr_decay_iters: int = 600  # the cosine decay reaches min_lr here
+    min_lr: float = 6e-5  # the final learning rate
     # system
-    device: str = choice("auto", ("auto", "cpu", "cuda"))
-    dtype: str = choice("auto", ("auto", "float32", "bfloat16", "float16"))
+    device: str = choice("auto", ("auto", "cpu", "cuda"))  # auto: cuda if torch sees a GPU, else cpu
+    dtype: str = choice("auto", ("auto", "float32", "bfloat16", "float16"))  # auto: bf16 autocast on GPUs that have it, else fp16; fp32 on the CPU
     compile: bool = False  # torch.compile the model
-    # torch.compile's mode when compile=True; reduce-overhead and max-autotune replay CUDA graphs (none on the CPU)
-    compile_mode: str = choice("default", COMPILE_MODES)
+    compile_mode: str = choice("default", COMPILE_MODES)  # torch.compile's mode; reduce-overhead, max-autotune: CUDA graphs (none on the CPU)
     profile: bool = False  # profile a few steady steps with torch.profiler into out_dir/profile.json (profiling.py)
     max_memory_gb: float = 0.0  # cap torch's CUDA memory at this many GiB, e.g. 12 to act as a 12 GB card; 0: no cap
-    seed: int = 1337
+    seed: int = 1337  # seeds the weights, dropout and batches (process rank uses seed + rank)
 
 
 def check_config(config, world_size=1):

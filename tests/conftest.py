@@ -3,7 +3,6 @@
 The scripts are run as subprocesses, as a user runs them, so exit codes, messages and
 signals are the real ones.
 """
-import os
 import subprocess
 import sys
 from pathlib import Path
@@ -11,15 +10,13 @@ from pathlib import Path
 import pytest
 import torch
 
-REPO = Path(__file__).resolve().parent.parent
-SHARED_DATA = REPO.parent / "shared" / "data"
+from data.shakespeare.prepare import use_shared_data
 
-# CI sets these (see .ci/run); a developer checkout beside shared/ gets the same defaults,
-# so the tests never need the network.
-if (SHARED_DATA / "tiktoken_cache").is_dir():
-    os.environ.setdefault("TIKTOKEN_CACHE_DIR", str(SHARED_DATA / "tiktoken_cache"))
-if (SHARED_DATA / "tinyshakespeare" / "input.txt").is_file():
-    os.environ.setdefault("TINYSHAKESPEARE_PATH", str(SHARED_DATA / "tinyshakespeare" / "input.txt"))
+REPO = Path(__file__).resolve().parent.parent
+
+# The scripts' rule for offline data (see prepare.py): the variables CI sets, else shared/data
+# beside the repo. Applied here too, for the tests that use tiktoken without prepare().
+use_shared_data()
 
 
 def pytest_collection_modifyitems(config, items):

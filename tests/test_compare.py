@@ -13,6 +13,9 @@ from attention import BACKENDS
 from conftest import REPO, run_script
 from metrics import read_metrics
 
+# One worker runs this module, so its module-scoped fixture runs once (see pytest.ini).
+pytestmark = pytest.mark.xdist_group("compare")
+
 # On the CPU in float32 the backends differ from eager by about 1e-6 after 8 steps (summation
 # order); a backend that computes something else is off by 1e-2 or more within a step.
 LOSS_TOLERANCE = 1e-4
@@ -162,3 +165,15 @@ def test_from_runs_with_a_corrupt_config_json_exits_2_in_one_line(trained_out_di
     assert result.stderr.startswith(f"config error: from_runs: {run / 'config.json'} cannot be read (")
     assert len(result.stderr.strip().splitlines()) == 1
     assert not (tmp_path / "report").exists()
+
+
+def test_only_curves_within_a_pixel_of_eager_are_merged_into_its_curve():
+    from compare import Run, coinciding_runs
+
+    def run(label, offset):
+        records = [{"iter": i, "loss": 10.0 - i + offset} for i in range(1, 6)]
+        return Run(label, "", {"attn": label}, records + [{"iter": 5, "train_loss": 5.0, "val_loss": 5.5 + offset}])
+
+    eager, same, apart = run("eager", 0.0), run("sdpa", 1e-5), run("triton", 0.1)
+    assert coinciding_runs([eager, same, apart], eager) == [same]
+    assert coinciding_runs([same, apart], None) == []

@@ -1,11 +1,16 @@
 """configurator.py and train.py's config checks: bad settings stop the run, naming the key."""
 from dataclasses import dataclass
 
+import re
+from dataclasses import fields
+
 import pytest
 
 from attention import BACKENDS
-from configurator import EXIT_BAD_CONFIG, ConfigError, choice, parse_config
-from conftest import run_script
+from configurator import EXIT_BAD_CONFIG, ConfigError, choice, config_files, field_meanings, parse_config
+from conftest import REPO, run_script
+from sample import SampleConfig
+from train_config import TrainConfig
 
 
 @dataclass
@@ -59,6 +64,36 @@ def test_config_file_errors_name_the_file_and_key(tmp_path, capsys):
 
 def test_override_without_value_is_rejected(capsys):
     assert "--key=value" in parse_error(["--verbose"], capsys)
+
+
+def test_space_form_overrides_are_read_as_key_value(tmp_path):
+    config_file = tmp_path / "c.py"
+    config_file.write_text("steps = 20\n")
+    argv = [str(config_file), "--steps", "30", "--name", "x", "--rate=2"]
+    assert parse_config(ExampleConfig, argv) == ExampleConfig(steps=30, rate=2.0, name="x")
+    assert config_files(argv) == [str(config_file)]
+
+
+@pytest.mark.parametrize("script, config_class", [("train.py", TrainConfig), ("sample.py", SampleConfig)])
+def test_help_gives_every_key_its_meaning_the_exit_codes_and_the_paths(script, config_class):
+    meanings = field_meanings(config_class)
+    assert [f.name for f in fields(config_class) if not meanings.get(f.name)] == []  # every key has a comment
+    result = run_script(script, "--help")
+    assert result.returncode == 0
+    for field in fields(config_class):
+        assert f"--{field.name}=" in result.stdout and meanings[field.name] in result.stdout
+    assert "Exit status" in result.stdout and "relative to the current" in result.stdout
+    if script == "sample.py":
+        assert "FILE:path" in result.stdout
+
+
+def test_default_data_dir_is_in_the_repo_wherever_train_runs_from():
+    assert TrainConfig().data_dir == str(REPO / "data" / "shakespeare")
+
+
+def test_readme_prompt_files_exist():
+    prompt_files = re.findall(r"--start=FILE:(\S+)", (REPO / "README.md").read_text())
+    assert prompt_files and all((REPO / path).is_file() for path in prompt_files)
 
 
 def test_train_rejects_a_bad_backend_listing_every_valid_one(tmp_path):

@@ -16,6 +16,9 @@ from conftest import REPO
 from metrics import read_metrics, read_run_config
 from train_config import TrainConfig, check_config
 
+# One worker runs this module, so its module-scoped fixture runs once (see pytest.ini).
+pytestmark = pytest.mark.xdist_group("ddp")
+
 
 def free_port():
     with socket.socket() as s:

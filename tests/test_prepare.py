@@ -87,6 +87,7 @@ def test_missing_named_input_is_an_error(tmp_path, monkeypatch):
 
 def test_offline_with_no_input_says_where_to_put_the_file(tmp_path, monkeypatch):
     monkeypatch.delenv("TINYSHAKESPEARE_PATH", raising=False)
+    monkeypatch.setattr(prepare_module, "SHARED_DATA", tmp_path / "no-shared-data")
 
     def no_network(*args, **kwargs):
         raise urllib.error.URLError("no network")
@@ -109,3 +110,15 @@ def test_tiktoken_failure_is_said_plainly(tmp_path, monkeypatch):
     monkeypatch.setattr(tiktoken, "get_encoding", cannot_load)
     with pytest.raises(PrepareError, match="(?s)tiktoken could not load.*TIKTOKEN_CACHE_DIR"):
         prepare(str(tmp_path))
+
+
+def test_shared_data_beside_the_repo_fills_in_unset_variables_only(tmp_path, monkeypatch):
+    (tmp_path / "tinyshakespeare").mkdir()
+    (tmp_path / "tinyshakespeare" / "input.txt").write_text("To be")
+    (tmp_path / "tiktoken_cache").mkdir()
+    monkeypatch.setattr(prepare_module, "SHARED_DATA", tmp_path)
+    monkeypatch.delenv(prepare_module.INPUT_VAR, raising=False)
+    monkeypatch.setenv(prepare_module.TIKTOKEN_VAR, "/my/cache")
+    prepare_module.use_shared_data()
+    assert os.environ[prepare_module.INPUT_VAR] == str(tmp_path / "tinyshakespeare" / "input.txt")
+    assert os.environ[prepare_module.TIKTOKEN_VAR] == "/my/cache"

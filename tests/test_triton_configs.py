@@ -16,6 +16,9 @@ import pytest
 
 from attention.triton_common import ADA_SHARED_MEMORY_BYTES
 
+# One worker runs this module, so its module-scoped fixture runs once (see pytest.ini).
+pytestmark = pytest.mark.xdist_group("triton_configs")
+
 HEAD_DIMS = (16, 32, 64, 128)
 TENSOR_POINTERS = {"Q", "K", "V", "O", "dO", "dQ", "dK", "dV"}
 FLOAT32_POINTERS = {"LSE", "DELTA"}

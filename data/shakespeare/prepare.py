@@ -4,7 +4,18 @@
 
 input.txt comes from the first of: --input PATH, the environment variable
 TINYSHAKESPEARE_PATH, a copy already in the output folder, or a download of the char-rnn
-copy nanoGPT uses. The first 90% of characters become train, the last 10% val; with the
+copy nanoGPT uses.
+
+Offline, the data is found by one rule, the same for the scripts and the tests
+(use_shared_data): the environment variables TINYSHAKESPEARE_PATH (input.txt) and
+TIKTOKEN_CACHE_DIR (tiktoken's cached gpt2 vocabulary) win; where one is unset, a folder
+shared/data beside the repo fills it in if it holds the copy (the layout CI uses):
+
+    shared/data/tinyshakespeare/input.txt
+    shared/data/tiktoken_cache/
+    nanoFA2/                      <- this repo
+
+The first 90% of characters become train, the last 10% val; with the
 real file that is 301,966 and 36,059 tokens. The GPT-2 ids the corpus uses are renumbered
 densely (DenseVocab below) and stored as uint16. meta.json records the dtype, the vocabulary
 (vocab_size and gpt2_ids, dense id -> GPT-2 id, which sample.py decodes with), the token
@@ -28,11 +39,15 @@ import uuid
 import urllib.error
 import urllib.request
 
+from pathlib import Path
+
 import numpy as np
 
 DEFAULT_OUT_DIR = os.path.dirname(os.path.abspath(__file__))
+SHARED_DATA = Path(DEFAULT_OUT_DIR).parent.parent.parent / "shared" / "data"  # beside the repo
+INPUT_VAR = "TINYSHAKESPEARE_PATH"
+TIKTOKEN_VAR = "TIKTOKEN_CACHE_DIR"
 DOWNLOAD_URL = "https://raw.githubusercontent.com/karpathy/char-rnn/master/data/tinyshakespeare/input.txt"
-ENV_VAR = "TINYSHAKESPEARE_PATH"
 ENCODING = "gpt2"
 TOKEN_DTYPE = np.uint16
 TRAIN_FRACTION = 0.9
@@ -86,6 +101,7 @@ def prepare(out_dir=DEFAULT_OUT_DIR, input_path=None, skip_if=None):
     waited for the lock while another process prepared it (re-preparing would delete the
     meta.json that process is about to read)."""
     os.makedirs(out_dir, exist_ok=True)
+    use_shared_data()
     with folder_lock(out_dir):
         if skip_if is not None and skip_if(out_dir):
             return None
@@ -127,16 +143,24 @@ def write_dataset(out_dir, input_path):
     return meta
 
 
+def use_shared_data():
+    """Point the unset data variables at the copies in shared/data beside the repo, where they exist."""
+    if (SHARED_DATA / "tinyshakespeare" / "input.txt").is_file():
+        os.environ.setdefault(INPUT_VAR, str(SHARED_DATA / "tinyshakespeare" / "input.txt"))
+    if (SHARED_DATA / "tiktoken_cache").is_dir():
+        os.environ.setdefault(TIKTOKEN_VAR, str(SHARED_DATA / "tiktoken_cache"))
+
+
 def find_input(out_dir, input_path):
     """The path of input.txt, downloading it into out_dir when no local copy is named or found."""
     if input_path is not None:
         if not os.path.isfile(input_path):
             raise PrepareError(f"--input {input_path!r}: no such file")
         return input_path
-    env_path = os.environ.get(ENV_VAR)
+    env_path = os.environ.get(INPUT_VAR)
     if env_path:
         if not os.path.isfile(env_path):
-            raise PrepareError(f"{ENV_VAR}={env_path!r}: no such file")
+            raise PrepareError(f"{INPUT_VAR}={env_path!r}: no such file")
         return env_path
     local_path = os.path.join(out_dir, "input.txt")
     if os.path.isfile(local_path):
@@ -148,7 +172,8 @@ def find_input(out_dir, input_path):
     except (urllib.error.URLError, OSError) as e:
         raise PrepareError(
             f"no TinyShakespeare input.txt found and the download failed ({e}).\n"
-            f"Put the file at {local_path}, or pass --input PATH, or set {ENV_VAR}=PATH."
+            f"Put the file at {local_path}, or pass --input PATH, or set {INPUT_VAR}=PATH "
+            "(see README.md, 'Offline data')."
         ) from None
     write_atomically(local_path, body)
     return local_path
@@ -166,8 +191,10 @@ def read_text(path):
 
 
 def load_encoder():
+    """tiktoken's gpt2 encoding; a clear error when offline without a cached copy."""
     import tiktoken  # imported here so the error below can say plainly what is missing
 
+    use_shared_data()
     try:
         return tiktoken.get_encoding(ENCODING)
     except Exception as e:
@@ -197,7 +224,7 @@ def write_atomically(path, payload):
 
 def main():
     parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
-    parser.add_argument("--input", help=f"path of input.txt (else ${ENV_VAR}, a copy in --out_dir, or a download)")
+    parser.add_argument("--input", help=f"path of input.txt (else ${INPUT_VAR}, a copy in --out_dir, or a download)")
     parser.add_argument("--out_dir", default=DEFAULT_OUT_DIR, help="folder for train.bin, val.bin, meta.json")
     args = parser.parse_args()
     try:
