@@ -32,6 +32,7 @@ from attention import BACKENDS, attention, packed_attention
 from attention.triton_backward import DKDV_CONFIGS, DQ_CONFIGS, dkdv_smem_rows, dq_smem_rows, flash_backward
 from attention.triton_common import shared_memory_bytes, shared_memory_limit
 from attention.triton_forward import FORWARD_CONFIGS, flash_forward, forward_smem_rows
+from data.shakespeare.prepare import SHAKESPEARE_VOCAB_SIZE
 from model import GPT, GPTConfig
 from train_config import TrainConfig
 
@@ -347,8 +348,8 @@ def decode_throughput(out, backends):
     """Greedy generation with an untrained model of configs/shakespeare.py's shape, bf16, every
     backend: tokens/s with and without the KV cache, the cached step compiled or not, side by
     side in one process. Writes decode.json and decode.md."""
-    config = GPTConfig(block_size=_MODEL.block_size, n_layer=_MODEL.n_layer, n_head=_MODEL.n_head,
-                       n_embd=_MODEL.n_embd, bias=_MODEL.bias)
+    config = GPTConfig(block_size=_MODEL.block_size, vocab_size=SHAKESPEARE_VOCAB_SIZE, n_layer=_MODEL.n_layer,
+                       n_head=_MODEL.n_head, n_embd=_MODEL.n_embd, bias=_MODEL.bias)
     torch.manual_seed(0)
     state = GPT(config).state_dict()
     rows = []

@@ -29,7 +29,7 @@ from configurator import EXIT_BAD_CONFIG, ConfigError, choice, parse_config
 from data.shakespeare.prepare import DenseVocab, PrepareError, load_encoder
 from devices import DeviceError, autocast, pick_device, pick_dtype, synchronize
 from model import GPT, GPTConfig
-from train_config import check_attn_head_dim
+from train_config import TrainConfig, check_attn_head_dim
 
 
 @dataclass
@@ -50,9 +50,11 @@ class SampleConfig:
     dtype: str = choice("auto", ("auto", "float32", "bfloat16", "float16"))  # auto: bf16 or fp16 on a GPU, fp32 on the CPU
 
 
-# A random-init model has the shape of the GPU run (configs/shakespeare.py), for timing
-# decoding without training first.
-RANDOM_MODEL = GPTConfig(block_size=256, n_layer=6, n_head=6, n_embd=384, bias=False)
+# A random-init model has the shape of the GPU run (configs/shakespeare.py, train.py's
+# defaults), for timing decoding without training first.
+_GPU_RUN = TrainConfig()
+RANDOM_MODEL = GPTConfig(block_size=_GPU_RUN.block_size, n_layer=_GPU_RUN.n_layer, n_head=_GPU_RUN.n_head,
+                         n_embd=_GPU_RUN.n_embd, bias=_GPU_RUN.bias)  # over GPT-2's own ids: no mapping to decode
 # Sampling divides the logits by the temperature. Much below this, logits / temperature
 # overflows (float16 logits under autocast pass 65504 once |logit| > 655 here) and the
 # softmax turns NaN; and by then sampling is greedy in effect, which --top_k=1 does exactly.

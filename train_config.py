@@ -30,25 +30,25 @@ class TrainConfig:
     wandb_run_name: str = ""  # the wandb run name; "": "<attn>-<config file name>", e.g. triton-shakespeare
     # data
     data_dir: str = DEFAULT_DATA_DIR  # token files, prepared here if missing; default in the repo, a given path relative to the current dir
-    batch_size: int = 16  # sequences per micro-batch, per process
+    batch_size: int = 8  # sequences per micro-batch, per process
     gradient_accumulation_steps: int = 2  # micro-batches per optimizer step, over all processes
     block_size: int = 512  # context length in tokens
     # model
-    n_layer: int = 6  # transformer blocks
+    n_layer: int = 8  # transformer blocks
     n_head: int = 6  # attention heads; n_embd / n_head is the head dim
     n_embd: int = 384  # model width
-    dropout: float = 0.3  # on embeddings, residual branches and the MLP (not inside attention)
+    dropout: float = 0.35  # on embeddings, residual branches and the MLP (not inside attention)
     bias: bool = False  # biases in Linear layers and LayerNorms
     attn: str = choice("eager", BACKENDS)  # the attention backend (attention.BACKENDS)
     # optimizer and schedule: linear warmup, then cosine decay to min_lr at lr_decay_iters
     learning_rate: float = 6e-4  # peak learning rate, reached after warmup_iters
-    max_iters: int = 600  # optimizer steps to train for
+    max_iters: int = 1200  # optimizer steps to train for
     weight_decay: float = 0.5  # AdamW weight decay, on matrices only
     beta1: float = 0.9  # AdamW beta1
     beta2: float = 0.99  # AdamW beta2
     grad_clip: float = 1.0  # clip the gradient norm to this; 0 turns clipping off
-    warmup_iters: int = 50  # linear warmup steps
-    lr_decay_iters: int = 600  # the cosine decay reaches min_lr here
+    warmup_iters: int = 100  # linear warmup steps
+    lr_decay_iters: int = 1200  # the cosine decay reaches min_lr here
     min_lr: float = 6e-5  # the final learning rate
     # system
     device: str = choice("auto", ("auto", "cpu", "cuda"))  # auto: cuda if torch sees a GPU, else cpu

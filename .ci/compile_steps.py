@@ -3,9 +3,11 @@
     python .ci/compile_steps.py --block_size=1024 [--backends=eager,sdpa,triton] [--modes=none,default,reduce-overhead]
 
 One process per block size; within it the variants run one after another, backends
-alternating within each mode. Batch = 32 * 256 / block_size sequences, so every micro-batch
-holds the same 8,192 tokens; 2 micro-batches a step, bf16 autocast, fused AdamW, CUDA memory
-capped at 12 GiB (the target card). Random tokens: no data needed. For each variant it prints
+alternating within each mode. The model is train.py's default (TrainConfig) over the dense
+TinyShakespeare vocabulary; batch = the default's tokens per micro-batch / block_size
+sequences, so every micro-batch holds the same tokens whatever the context; the default's
+micro-batches a step, bf16 autocast, fused AdamW, CUDA memory capped at 12 GiB (the target
+card). Random tokens: no data needed. For each variant it prints
 the median wall time of 20 synchronised steps (after 5 warm-up steps, which compile) and the
 GPU time per step: the sum of CUDA kernel times over 5 profiled steps (torch.profiler), / 5.
 The host's speed drifts, so judge kernels by GPU time and host overhead by wall time.
@@ -20,10 +22,13 @@ sys.path.insert(0, str(Path(__file__).resolve().parent.parent))
 
 import torch  # noqa: E402
 
+from data.shakespeare.prepare import SHAKESPEARE_VOCAB_SIZE as VOCAB_SIZE  # noqa: E402
 from model import GPT, GPTConfig, compile_model  # noqa: E402
+from train_config import TrainConfig  # noqa: E402
 
-TOKENS_PER_MICRO_BATCH = 32 * 256
-ACCUMULATION = 2
+DEFAULT = TrainConfig()
+TOKENS_PER_MICRO_BATCH = DEFAULT.batch_size * DEFAULT.block_size
+ACCUMULATION = DEFAULT.gradient_accumulation_steps
 
 
 def make_step(model, optimizer, batches, compiled):
@@ -51,11 +56,12 @@ def gpu_ms_per_step(step, steps=5):
 def measure(backend, mode, block_size):
     torch.manual_seed(0)
     batch = TOKENS_PER_MICRO_BATCH // block_size
-    model = GPT(GPTConfig(block_size=block_size, attn=backend, dropout=0.0, bias=False)).cuda()
+    model = GPT(GPTConfig(block_size=block_size, vocab_size=VOCAB_SIZE, n_layer=DEFAULT.n_layer, n_head=DEFAULT.n_head,
+                          n_embd=DEFAULT.n_embd, dropout=0.0, bias=DEFAULT.bias, attn=backend)).cuda()
     optimizer = model.configure_optimizers(0.1, 1e-4, (0.9, 0.99), "cuda")
     compiled = mode != "none"
     run = compile_model(model, mode) if compiled else model
-    tokens = [torch.randint(0, 50257, (batch, block_size), device="cuda") for _ in range(ACCUMULATION)]
+    tokens = [torch.randint(0, VOCAB_SIZE, (batch, block_size), device="cuda") for _ in range(ACCUMULATION)]
     batches = [(x, x.roll(-1, dims=1)) for x in tokens]
     step = make_step(run, optimizer, batches, compiled)
     start = time.perf_counter()

@@ -113,5 +113,5 @@ def test_sample_benchmark_of_a_random_model_of_the_gpu_run_shape():
     assert result.returncode == 0, result.stderr
     assert "random-init model" in result.stderr
     lines = result.stdout.splitlines()
-    assert lines[0].startswith("decode: batch 1, 1-token prompt, 2 new tokens, block_size 256, cpu")
+    assert lines[0].startswith("decode: batch 1, 1-token prompt, 2 new tokens, block_size 512, cpu")
     assert len(lines) == 3 and lines[2].split()[0] == "sdpa"

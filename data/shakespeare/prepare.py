@@ -51,6 +51,9 @@ DOWNLOAD_URL = "https://raw.githubusercontent.com/karpathy/char-rnn/master/data/
 ENCODING = "gpt2"
 TOKEN_DTYPE = np.uint16
 TRAIN_FRACTION = 0.9
+# How many of GPT-2's tokens the real input.txt uses: the model's vocabulary after the remap, for
+# code that builds the default model without the data (benchmarks); meta.json is the authority.
+SHAKESPEARE_VOCAB_SIZE = 11706
 
 
 class PrepareError(RuntimeError):
