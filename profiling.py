@@ -54,7 +54,9 @@ def step_profiler(out_dir, skip_steps, on_result):
     def ready(prof):
         # Also called when a run stops before or during the recorded steps: nothing to report then.
         events = prof.events()
-        if sum(e.name.startswith("ProfilerStep") for e in events) == PROFILE_STEPS:
+        # CPU ranges only: on a GPU each step's range also shows up as a GPU-side annotation.
+        steps = sum(e.name.startswith("ProfilerStep") and e.device_type == DeviceType.CPU for e in events)
+        if steps == PROFILE_STEPS:
             on_result(attribute(events))
             prof.export_chrome_trace(os.path.join(out_dir, TRACE_NAME))
 
