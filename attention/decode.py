@@ -22,6 +22,7 @@ import torch.nn.functional as F
 from .inputs import check_inputs, check_triton_inputs
 from .triton_decode import triton_decode_attention
 
+
 def check_decode_inputs(q, k_cache, v_cache, n_keys):
     check_inputs(q, k_cache, v_cache, False)
     if q.dim() != 4 or q.shape[2] != 1:

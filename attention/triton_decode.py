@@ -8,8 +8,9 @@ replay it while the cache fills.
 
 A decode step has one query row, so there is no matrix product to give tensor cores: the
 scores are a broadcast multiply and a row sum, in float32. There is no split-K ("flash-
-decoding") either: at the model's shapes (block_size 256, 6 heads) each program reads at most
-256 x 64 keys and values, and what a decode step waits on is the host, not this kernel.
+decoding") either: at the model's shapes (a block_size of a few hundred tokens) each program
+reads a few hundred rows of keys and values, and what a decode step waits on is the host,
+not this kernel.
 """
 import torch
 import triton
