@@ -19,13 +19,34 @@ REPO = Path(__file__).resolve().parent.parent
 use_shared_data()
 
 
+@pytest.hookimpl(trylast=True)  # after pytest-xdist's own hook, so its suffix, where it works, is seen
 def pytest_collection_modifyitems(config, items):
+    if getattr(config.option, "loadgroup", False):  # set on xdist's workers under --dist loadgroup
+        tag_xdist_groups(items)
     if torch.cuda.is_available():
         return
     skip = pytest.mark.skip(reason="needs a CUDA GPU")
     for item in items:
         if "gpu" in item.keywords:
             item.add_marker(skip)
+
+
+def tag_xdist_groups(items):
+    """Give each test marked xdist_group("name") the node id suffix "@name" that --dist loadgroup
+    schedules by. pytest-xdist (3.8) writes it to item._nodeid, which pytest 9.2 no longer reads
+    (it keeps a structured item._id), so without this the groups are silently ignored: a module
+    fixture that trains or compiles runs once per worker that gets one of its tests
+    (pytest-xdist issue #1386). Does nothing where xdist's own suffix took effect."""
+    for item in items:
+        names = sorted({mark.args[0] if mark.args else mark.kwargs.get("name", "default")
+                        for mark in item.iter_markers("xdist_group")})
+        if not names or item.nodeid.endswith("@" + "_".join(names)):
+            continue
+        nodeid = f"{item.nodeid}@{'_'.join(names)}"
+        if hasattr(item, "_id"):
+            item._id = type(item._id).parse(nodeid)
+        else:
+            item._nodeid = nodeid
 
 
 def script_command(script, *args):

@@ -1,5 +1,5 @@
-"""compare.py on the CPU: every backend trains configs/tiny.py (shrunk to a 32-token context
-so the Triton interpreter is quick), the report and figure are written, and each backend's
+"""compare.py on the CPU: every backend trains configs/tiny.py (shrunk to batches of 2
+sequences of 32 tokens, one batch an evaluation, so the Triton interpreter is quick), the report and figure are written, and each backend's
 loss curves stay within LOSS_TOLERANCE of eager's; the context-length sweep marks the runs
 that ran out of memory; --from_runs compares finished runs; bad arguments stop it first."""
 import json
@@ -39,8 +39,8 @@ def curve(out_dir, key):
 @pytest.fixture(scope="module")
 def comparison(data_dir, tmp_path_factory):
     out = tmp_path_factory.mktemp("compare")
-    result = run_script("compare.py", "configs/tiny.py", f"--data_dir={data_dir}", "--block_size=32", "--batch_size=4",
-                        "--max_iters=8", "--eval_interval=4", "--eval_iters=2", f"--out={out}", timeout=600)
+    result = run_script("compare.py", "configs/tiny.py", f"--data_dir={data_dir}", "--block_size=32", "--batch_size=2",
+                        "--max_iters=8", "--eval_interval=4", "--eval_iters=1", f"--out={out}", timeout=600)
     assert result.returncode == 0, result.stderr
     return out, result
 
