@@ -363,10 +363,12 @@ class GPT(nn.Module):
 
 def compile_model(model, mode):
     """torch.compile(model, mode=mode). With CUDA graphs (reduce-overhead, max-autotune) a
-    parameter's gradient would come out of the graph's memory, which the next micro-batch's
-    replay overwrites: autograd keeps the first micro-batch's gradient tensor as .grad and adds
-    the later ones to it, so accumulated gradients would be silently wrong (pytorch issue 96693).
-    A hook hands autograd a copy instead. (On the CPU there are no CUDA graphs.) train.py calls
+    parameter's gradient can come out of the graph's memory, which the next micro-batch's
+    replay overwrites while autograd still holds the first micro-batch's gradient as .grad, so
+    accumulated gradients could be silently wrong (as reported in pytorch issue 96693; we did
+    not reproduce it without the hook). A hook hands autograd a copy instead, and
+    tests/test_compile_gpu.py checks accumulation through CUDA graphs against the plain model.
+    (On the CPU there are no CUDA graphs.) train.py calls
     torch.compiler.cudagraph_mark_step_begin() before every forward for the same reason."""
     if mode in ("reduce-overhead", "max-autotune"):
         for param in model.parameters():
