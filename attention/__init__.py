@@ -40,7 +40,7 @@ if not torch.cuda.is_available() and "TRITON_INTERPRET" not in os.environ:
 
 from .eager import eager_attention, eager_attention_with_lse  # noqa: E402
 from .flash_triton import triton_attention, triton_fwd_attention, triton_packed_attention, unpack_heads  # noqa: E402
-from .inputs import check_inputs, check_packed_inputs  # noqa: E402
+from .inputs import check_packed_inputs  # noqa: E402
 from .sdpa import sdpa_attention  # noqa: E402
 from .tiled import FlashAttentionPytorch  # noqa: E402
 
@@ -59,9 +59,10 @@ _BACKEND_FUNCTIONS = {
 
 
 def attention(q, k, v, is_causal=False, backend="triton"):
+    """Each backend's function checks its inputs itself (check_inputs), so that a direct call
+    is checked too and a call through here is checked once."""
     if backend not in BACKENDS:
         raise ValueError(f"backend={backend!r} is not one of {BACKENDS}")
-    check_inputs(q, k, v, is_causal)
     return _BACKEND_FUNCTIONS[backend](q, k, v, is_causal)
 
 

@@ -13,6 +13,8 @@ import math
 
 import torch
 
+from .inputs import check_inputs
+
 
 def causal_mask(n_q, n_k, device=None):
     """(n_q, n_k) bool, True where query i may see key j (j <= i)."""
@@ -42,4 +44,5 @@ def eager_attention_with_lse(q, k, v, is_causal=False):
 
 
 def eager_attention(q, k, v, is_causal=False):
+    check_inputs(q, k, v, is_causal)
     return eager_attention_with_lse(q, k, v, is_causal)[0]

@@ -6,6 +6,9 @@ top-left (key j visible to query i when j <= i), the convention of this package.
 """
 import torch.nn.functional as F
 
+from .inputs import check_inputs
+
 
 def sdpa_attention(q, k, v, is_causal=False):
+    check_inputs(q, k, v, is_causal)
     return F.scaled_dot_product_attention(q, k, v, is_causal=is_causal)
