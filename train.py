@@ -225,12 +225,7 @@ def estimate_loss(model, batches, config, amp, stop, it):
             if stop.received:
                 model.train()
                 return None
-            x, y = batches.get(split, generator)
-            if config.compile:
-                torch.compiler.cudagraph_mark_step_begin()  # see train_step
-            with amp:
-                _, loss = model(x, y)
-            total += loss.item()
+            total += batch_loss(model, *batches.get(split, generator), config, amp)
             if time.perf_counter() - last_report > EVAL_PROGRESS_SECONDS:
                 print(f"evaluating at iter {it}: {split} batch {batch + 1}/{config.eval_iters}")
                 last_report = time.perf_counter()
@@ -244,10 +239,17 @@ def one_batch_loss(model, batches, config, amp):
     """The model's loss on one val batch (the first of every evaluation), drawn from a
     generator of its own so no random stream of training moves."""
     model.eval()
-    x, y = batches.get("val", torch.Generator().manual_seed(config.seed))
+    loss = batch_loss(model, *batches.get("val", torch.Generator().manual_seed(config.seed)), config, amp)
+    model.train()
+    return loss
+
+
+def batch_loss(model, x, y, config, amp):
+    """The loss of one batch in evaluation, as a float."""
+    if config.compile:
+        torch.compiler.cudagraph_mark_step_begin()  # see train_step
     with amp:
         _, loss = model(x, y)
-    model.train()
     return loss.item()
 
 
