@@ -50,9 +50,15 @@ def reset_metrics(out_dir, keep_through_iter):
     kept = []
     if keep_through_iter is not None and os.path.exists(path):
         kept = [record for record in read_metrics(out_dir) if record.get("iter", math.inf) <= keep_through_iter]
+    write_atomically(path, "".join(json.dumps(record) + "\n" for record in kept))
+
+
+def write_atomically(path, text):
+    """Write text to path through a temporary file renamed over it: a reader, or a run killed
+    half way, sees the old file or the new one, never half of one."""
     tmp_path = path + ".tmp"
     with open(tmp_path, "w") as f:
-        f.writelines(json.dumps(record) + "\n" for record in kept)
+        f.write(text)
     os.replace(tmp_path, path)
 
 

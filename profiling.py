@@ -26,6 +26,7 @@ import torch
 from torch.autograd import DeviceType
 from torch.profiler import ProfilerActivity, profile, schedule
 
+from metrics import write_atomically
 from model import ATTENTION_RANGE, OUTPUT_RANGE
 
 PROFILE_STEPS = 3  # steps recorded, after one the profiler warms up on
@@ -181,11 +182,7 @@ def attention_saved_mb(model, x, y, amp):
 
 
 def write_profile(out_dir, result):
-    tmp_path = os.path.join(out_dir, PROFILE_NAME + ".tmp")
-    with open(tmp_path, "w") as f:
-        json.dump(result, f, indent=2)
-        f.write("\n")
-    os.replace(tmp_path, os.path.join(out_dir, PROFILE_NAME))
+    write_atomically(os.path.join(out_dir, PROFILE_NAME), json.dumps(result, indent=2) + "\n")
 
 
 def remove_profile(out_dir):
