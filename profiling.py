@@ -104,13 +104,14 @@ def attribute(events):
 
     us = dict.fromkeys(CATEGORIES, 0.0)
     if device_events:
-        by_id = {e.id: e for e in cpu_events}
-        for kernel in device_events:
-            owner = by_id.get(kernel.linked_correlation_id)
-            category = category_of_op(owner) if owner is not None else "everything else"
-            if category == "everything else":
-                category = category_of_kernel_name(kernel.name)
-            us[category] += kernel.time_range.elapsed_us()
+        # torch links each kernel to the op that launched it in that op's .kernels (every torch
+        # version; the kernel events' own link back, linked_correlation_id, is newer than 2.11).
+        for op in cpu_events:
+            for kernel in op.kernels:
+                category = category_of_op(op)
+                if category == "everything else":
+                    category = category_of_kernel_name(kernel.name)
+                us[category] += kernel.duration
         busy_us = union_us([(k.time_range.start, k.time_range.end) for k in device_events],
                            [(s.time_range.start, s.time_range.end) for s in steps])
         device = "cuda"
