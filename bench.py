@@ -30,7 +30,7 @@ from torch.nn.attention import SDPBackend, sdpa_kernel
 
 from attention import BACKENDS, attention, packed_attention
 from attention.triton_backward import DKDV_CONFIGS, DQ_CONFIGS, dkdv_smem_rows, dq_smem_rows, flash_backward
-from attention.triton_common import shared_memory_bytes, shared_memory_limit
+from attention.triton_launch import shared_memory_bytes, shared_memory_limit
 from attention.triton_forward import FORWARD_CONFIGS, flash_forward, forward_smem_rows
 from data.shakespeare.prepare import SHAKESPEARE_VOCAB_SIZE
 from model import GPT, GPTConfig

@@ -5,24 +5,42 @@
     y = packed_attention(qkv, is_causal=True, backend="triton")  # qkv: (B, N, 3, H, D)
 
 q is (..., N_q, D), k and v are (..., N_k, D) with the same leading dims; the result has
-q's shape and dtype. Scale 1/sqrt(D). Causal is top-left: key j is visible to query i when
-j <= i (see eager.py). This package needs only torch, triton and einops.
+q's shape and dtype. Scale 1/sqrt(D). is_causal=True is the top-left causal mask that eager.py
+defines. This package needs only torch, triton and einops.
 
 packed_attention takes the fused projection a GPT makes, qkv of shape (B, N, 3, H, D), and
 returns (B, N, H, D): the same attention, but the triton backend then reads q, k and v out of
-qkv in place and hands autograd one node instead of six (see flash_triton.py).
+qkv in place and hands autograd one node instead of six (see triton_ops.py).
 
 Every backend traces under torch.compile: the Triton kernels are custom operators
-(torch.ops.nanofa2.*, opaque on every device; flash_triton.py says why), so a compiled model
+(torch.ops.nanofa2.*, opaque on every device; triton_ops.py says why), so a compiled model
 with triton or triton_fwd is one graph. tiled, the Python loop, may break the graph but compiles
 and trains correctly.
 
 Backends:
   eager       materialised softmax; the reference the others are tested against
-  tiled       FlashAttention-2 forward as a tiled PyTorch loop (teaching version)
+  tiled       FlashAttention-2 forward and backward as tiled PyTorch loops (teaching version)
   triton      FlashAttention-2 forward and backward Triton kernels
   triton_fwd  the Triton forward with the PyTorch recompute backward
   sdpa        torch.nn.functional.scaled_dot_product_attention, the peer to beat
+
+The files, in reading order:
+  eager.py               the definition: softmax(Q K^T / sqrt(D)) V, and the causal rule
+  tile_bounds.py         which tiles a program visits, and the mask inside a tile
+  tiled.py               the tiled forward in PyTorch (the online softmax)
+  tiled_backward.py      the tiled backward in PyTorch: a dQ pass, then a dK/dV pass
+  triton_tiles.py        the @triton.jit helpers both kernels share (bounds, mask, loads, stores)
+  triton_forward.py      the forward kernel
+  triton_backward.py     the backward kernels, dQ then dK/dV
+  triton_ops.py          the kernels as torch.library custom operators, with their autograd
+  triton_launch.py       the host side of a launch: layouts, device checks, config tuning
+  recompute_backward.py  triton_fwd's backward, the step before the FlashAttention-2 backward
+  decode.py              decode_attention: one new query against a KV cache, every backend
+  triton_decode.py       its Triton kernel
+  inputs.py, sdpa.py     the input checks and unpack_heads; torch's own attention
+
+docs/flash_attention.md walks the same files with the forwards first: tiled.py,
+triton_forward.py, then tiled_backward.py, triton_backward.py.
 """
 import os
 import sys
@@ -39,10 +57,10 @@ if not torch.cuda.is_available() and "TRITON_INTERPRET" not in os.environ:
     os.environ["TRITON_INTERPRET"] = "1"
 
 from .eager import eager_attention, eager_attention_with_lse  # noqa: E402
-from .flash_triton import triton_attention, triton_fwd_attention, triton_packed_attention, unpack_heads  # noqa: E402
-from .inputs import check_packed_inputs  # noqa: E402
+from .inputs import check_packed_inputs, unpack_heads  # noqa: E402
 from .sdpa import sdpa_attention  # noqa: E402
 from .tiled import FlashAttentionPytorch  # noqa: E402
+from .triton_ops import triton_attention, triton_fwd_attention, triton_packed_attention  # noqa: E402
 
 __all__ = ["BACKENDS", "attention", "packed_attention", "eager_attention", "eager_attention_with_lse", "sdpa_attention",
            "FlashAttentionPytorch", "triton_attention", "triton_fwd_attention", "triton_packed_attention"]

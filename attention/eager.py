@@ -17,7 +17,7 @@ from .inputs import check_inputs
 
 
 def causal_mask(n_q, n_k, device=None):
-    """(n_q, n_k) bool, True where query i may see key j (j <= i)."""
+    """(n_q, n_k) bool, True where query i may see key j: the causal convention above."""
     return torch.ones(n_q, n_k, dtype=torch.bool, device=device).tril()
 
 

@@ -1,6 +1,7 @@
-"""Checks on what callers hand to attention(): a clear ValueError instead of a kernel
-fault or silent garbage. Every backend runs check_inputs; the Triton kernels also run
-check_triton_inputs for the limits of the kernels themselves."""
+"""What callers hand to attention() and packed_attention(): checks that give a clear ValueError
+instead of a kernel fault or silent garbage, and unpack_heads, which turns packed_attention's
+fused projection into every backend's q, k, v. Every backend runs check_inputs; the Triton
+kernels also run check_triton_inputs for the limits of the kernels themselves."""
 import torch
 
 TRITON_HEAD_DIMS = (16, 32, 64, 128)
@@ -41,6 +42,11 @@ def check_packed_inputs(qkv, is_causal):
         raise ValueError(f"qkv has head dim D=0 (shape {tuple(qkv.shape)}); the head dim must be at least 1")
     if not isinstance(is_causal, bool):
         raise ValueError(f"is_causal must be a bool, got {is_causal!r}")
+
+
+def unpack_heads(qkv):
+    """(B, N, 3, H, D) -> q, k, v as (B, H, N, D) views."""
+    return qkv.permute(2, 0, 3, 1, 4).unbind(0)
 
 
 def check_tensor(name, t):

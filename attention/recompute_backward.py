@@ -15,6 +15,8 @@ import math
 
 import torch
 
+from .tile_bounds import visible_in_tile
+
 
 def recompute_backward(Q, K, V, O, lse, dO, is_causal, chunk_size=128):
     """Gradients (dQ, dK, dV) of O = attention(Q, K, V) given dO. Math in float32 (float64
@@ -36,9 +38,7 @@ def recompute_backward(Q, K, V, O, lse, dO, is_causal, chunk_size=128):
         k, v = K[..., :n_visible, :], V[..., :n_visible, :]
         S = (q @ k.transpose(-2, -1)) * scale
         if is_causal:
-            rows = torch.arange(start, end, device=Q.device)[:, None]
-            cols = torch.arange(n_visible, device=Q.device)[None, :]
-            S = S.masked_fill(cols > rows, float("-inf"))
+            S = S.masked_fill(~visible_in_tile(start, end, 0, n_visible, Q.device), float("-inf"))
         P = torch.exp(S - lse[..., start:end, None])
         dV[..., :n_visible, :] += P.transpose(-2, -1) @ do
         dS = P * (do @ v.transpose(-2, -1) - delta[..., start:end, None])

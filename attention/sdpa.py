@@ -1,8 +1,8 @@
 """PyTorch's own fused attention, the peer the Triton kernels are measured against.
 
 torch picks among its FlashAttention-2, cuDNN, memory-efficient and math kernels;
-bench.py pins each one in turn with torch.nn.attention.sdpa_kernel. Its is_causal is
-top-left (key j visible to query i when j <= i), the convention of this package.
+bench.py pins each one in turn with torch.nn.attention.sdpa_kernel. Its is_causal is this
+package's causal rule (eager.py).
 """
 import torch.nn.functional as F
 

@@ -1,9 +1,8 @@
 """Which tiles a FlashAttention program visits, and the causal mask inside a tile.
 
-The tiled PyTorch code (tiled.py, tiled_backward.py) and docs/causal_tiles.py use these;
-the Triton kernels state the same rules as @triton.jit helpers (_key_tile_bounds in
-triton_forward.py, _query_tile_bounds in triton_backward.py), and the tests check both
-against eager attention.
+The tiled PyTorch code (tiled.py, tiled_backward.py; recompute_backward.py for the mask) and
+docs/causal_tiles.py use these; the Triton kernels state the same rules as @triton.jit helpers
+of the same names (triton_tiles.py), and the tests check both against eager.py's causal mask.
 
 Causal tiles fall in three kinds: skipped (every key is above the diagonal for every query
 of the tile: never loaded), unmasked (every key visible to every query: no mask needed) and
@@ -45,7 +44,8 @@ def query_tile_bounds(k_start, n_q, is_causal, tile_m, tile_n):
 
 
 def visible_in_tile(q_start, q_end, k_start, k_end, device=None):
-    """(q_end - q_start, k_end - k_start) bool: True where query i sees key j, j <= i (eager.py)."""
+    """(q_end - q_start, k_end - k_start) bool: True where eager.py's causal rule lets query
+    i in [q_start, q_end) see key j in [k_start, k_end)."""
     rows = torch.arange(q_start, q_end, device=device)[:, None]
     cols = torch.arange(k_start, k_end, device=device)[None, :]
     return cols <= rows

@@ -15,7 +15,8 @@ temporary is one tile_m x tile_n block of scores.
 
 This is the teaching version: clear, not fast (Python loops over tiles). triton_forward.py
 runs the same loop as a GPU kernel, with the same names and the same tile bounds
-(tile_bounds.key_tile_bounds here, _key_tile_bounds there). The backward is tiled_backward.py.
+(key_tile_bounds: tile_bounds.py's here, triton_tiles.py's there). The backward is
+tiled_backward.py.
 """
 import math
 

@@ -16,7 +16,7 @@ import torch
 import triton
 import triton.language as tl
 
-from .triton_common import check_kernel_device
+from .triton_launch import check_kernel_device
 
 LOG2_E = 1.4426950408889634
 

@@ -7,81 +7,18 @@ N_q x N_k score matrix never exists in memory. It writes O and the logsumexp lse
 The softmax runs in base 2 (exp2 is one instruction; log2(e) is folded into the scale), so
 m_i is a running max of base-2 logits. Causal programs visit key tiles in two stages: tiles
 wholly below the diagonal with no mask, then the few that cross the diagonal or the end of
-the keys with one. Tiles wholly above the diagonal are never loaded.
+the keys with one. Tiles wholly above the diagonal are never loaded. Where a tile starts, which
+tiles a program visits, the mask and the tile loads and stores are triton_tiles.py's helpers,
+which the backward shares.
 """
 import torch
 import triton
 import triton.language as tl
 
-from .triton_common import INTERPRETING, TunedKernel, descriptor_ready, set_tma_scratch_allocator, tuning_key
+from .triton_launch import INTERPRETING, TunedKernel, descriptor_ready, set_tma_scratch_allocator, tuning_key
+from .triton_tiles import LOG2_E, head_matrix, key_tile_bounds, load_tile, query_tile_start, store_tile, visible_in_tile
 
-LOG2_E = 1.4426950408889634
 LN_2 = tl.constexpr(0.6931471805599453)
-
-
-@triton.jit
-def _query_tile_start(IS_CAUSAL: tl.constexpr, BLOCK_M: tl.constexpr):
-    """The first query row of this program's tile. Causal query tiles near the end have the
-    most keys to visit: launch them first, so the short ones fill the gaps at the end of the grid."""
-    tile_m = tl.program_id(0)
-    if IS_CAUSAL:
-        tile_m = tl.num_programs(0) - 1 - tile_m
-    return tile_m * BLOCK_M
-
-
-@triton.jit
-def _key_tile_bounds(start_m, N_K, IS_CAUSAL: tl.constexpr, BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr):
-    """Which key tiles the query tile starting at row start_m visits: [0, unmasked_end) are
-    visible to all its rows and lie inside N_K; [unmasked_end, end) need the mask. Causal:
-    keys past the tile's last row are never visited. The same rule as tile_bounds.key_tile_bounds,
-    which the tiled PyTorch code runs and the tests check against eager's mask."""
-    unmasked_end = (N_K // BLOCK_N) * BLOCK_N
-    end = N_K
-    if IS_CAUSAL:
-        unmasked_end = tl.minimum(unmasked_end, (start_m + 1) // BLOCK_N * BLOCK_N)
-        end = tl.minimum(start_m + BLOCK_M, N_K)
-    return unmasked_end, end
-
-
-@triton.jit
-def _head_matrix(T, bh, H, stride_b, stride_h, stride_n, N,
-                 HEAD_DIM: tl.constexpr, BLOCK: tl.constexpr, USE_TMA: tl.constexpr):
-    """The (N, HEAD_DIM) matrix of batch-head bh, read and written in (BLOCK, HEAD_DIM) tiles
-    through its strides: the model's q, k, v are strided views of one fused projection and are
-    never copied. On Hopper it is a TMA tensor descriptor (the copy engine moves whole tiles and
-    checks bounds in hardware); elsewhere the base pointer for _load_tile's masked loads, which
-    Triton pipelines with cp.async."""
-    b = (bh // H).to(tl.int64)
-    h = (bh % H).to(tl.int64)
-    if USE_TMA:
-        matrix = tl.make_tensor_descriptor(T + b * stride_b + h * stride_h, shape=[N, HEAD_DIM],
-                                           strides=[stride_n, 1], block_shape=[BLOCK, HEAD_DIM])
-    else:
-        matrix = T + b * stride_b + h * stride_h
-    return matrix
-
-
-@triton.jit
-def _load_tile(matrix, start, N, stride_n, BLOCK: tl.constexpr, HEAD_DIM: tl.constexpr, USE_TMA: tl.constexpr):
-    """Rows [start, start + BLOCK) of a head matrix; rows past N read as zeros."""
-    if USE_TMA:
-        tile = matrix.load([start, 0])
-    else:
-        rows = start + tl.arange(0, BLOCK)
-        tile = tl.load(matrix + rows[:, None] * stride_n + tl.arange(0, HEAD_DIM)[None, :],
-                       mask=rows[:, None] < N, other=0.0)
-    return tile
-
-
-@triton.jit
-def _store_tile(matrix, start, N, stride_n, tile, BLOCK: tl.constexpr, HEAD_DIM: tl.constexpr, USE_TMA: tl.constexpr):
-    """Write rows [start, start + BLOCK) of a head matrix; rows past N are dropped."""
-    if USE_TMA:
-        matrix.store([start, 0], tile.to(matrix.dtype))
-    else:
-        rows = start + tl.arange(0, BLOCK)
-        tl.store(matrix + rows[:, None] * stride_n + tl.arange(0, HEAD_DIM)[None, :], tile.to(matrix.dtype.element_ty),
-                 mask=rows[:, None] < N)
 
 
 @triton.jit
@@ -91,21 +28,18 @@ def _fwd_key_tiles(acc, l_i, m_i, q_tile, K, V, stride_kn, stride_vn, start_n, e
     """The online-softmax update over key tiles [start_n, end_n): for each tile, rescale what
     was accumulated by exp2(m_old - m_new) and add this tile's share."""
     for tile_start in range(start_n, end_n, BLOCK_N):
-        k_tile = _load_tile(K, tile_start, N_K, stride_kn, BLOCK_N, HEAD_DIM, USE_TMA)
+        k_tile = load_tile(K, tile_start, N_K, stride_kn, BLOCK_N, HEAD_DIM, USE_TMA)
         s = tl.dot(q_tile, tl.trans(k_tile))  # raw scores, (BLOCK_M, BLOCK_N)
         if MASKED:  # this tile crosses the diagonal or runs past the last key
             cols = tile_start + tl.arange(0, BLOCK_N)
-            visible = cols[None, :] < N_K
-            if IS_CAUSAL:
-                visible = visible & (cols[None, :] <= rows[:, None])
-            s = tl.where(visible, s, float("-inf"))
+            s = tl.where(visible_in_tile(rows[:, None], cols[None, :], N_K, IS_CAUSAL), s, float("-inf"))
         # The scale is applied where it is needed, not to the whole tile first: to the row max
         # (BLOCK_M values) and inside exp2's argument, where scale * s - m is one fused multiply-add.
         m_new = tl.maximum(m_i, tl.max(s, 1) * qk_scale)  # running max of base-2 logits
         p = tl.exp2(s * qk_scale - m_new[:, None])
         alpha = tl.exp2(m_i - m_new)  # how much the old maximum overstated the new one
         l_i = l_i * alpha + tl.sum(p, 1)
-        v_tile = _load_tile(V, tile_start, N_K, stride_vn, BLOCK_N, HEAD_DIM, USE_TMA)
+        v_tile = load_tile(V, tile_start, N_K, stride_vn, BLOCK_N, HEAD_DIM, USE_TMA)
         acc = tl.dot(p.to(v_tile.dtype), v_tile, acc * alpha[:, None])
         m_i = m_new
     return acc, l_i, m_i
@@ -118,27 +52,27 @@ def _attn_fwd(Q, K, V, O, LSE,
               H, N_Q, N_K, qk_scale,
               IS_CAUSAL: tl.constexpr, HEAD_DIM: tl.constexpr,
               BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr, USE_TMA: tl.constexpr):
-    start_m = _query_tile_start(IS_CAUSAL, BLOCK_M)
+    start_m = query_tile_start(IS_CAUSAL, BLOCK_M)
     bh = tl.program_id(1)
-    Q = _head_matrix(Q, bh, H, stride_qb, stride_qh, stride_qn, N_Q, HEAD_DIM, BLOCK_M, USE_TMA)
-    K = _head_matrix(K, bh, H, stride_kb, stride_kh, stride_kn, N_K, HEAD_DIM, BLOCK_N, USE_TMA)
-    V = _head_matrix(V, bh, H, stride_vb, stride_vh, stride_vn, N_K, HEAD_DIM, BLOCK_N, USE_TMA)
-    O = _head_matrix(O, bh, H, stride_ob, stride_oh, stride_on, N_Q, HEAD_DIM, BLOCK_M, USE_TMA)
+    Q = head_matrix(Q, bh, H, stride_qb, stride_qh, stride_qn, N_Q, HEAD_DIM, BLOCK_M, USE_TMA)
+    K = head_matrix(K, bh, H, stride_kb, stride_kh, stride_kn, N_K, HEAD_DIM, BLOCK_N, USE_TMA)
+    V = head_matrix(V, bh, H, stride_vb, stride_vh, stride_vn, N_K, HEAD_DIM, BLOCK_N, USE_TMA)
+    O = head_matrix(O, bh, H, stride_ob, stride_oh, stride_on, N_Q, HEAD_DIM, BLOCK_M, USE_TMA)
 
     rows = start_m + tl.arange(0, BLOCK_M)
     m_i = tl.full([BLOCK_M], float("-inf"), dtype=tl.float32)
     l_i = tl.zeros([BLOCK_M], dtype=tl.float32)
     acc = tl.zeros([BLOCK_M, HEAD_DIM], dtype=tl.float32)
-    q_tile = _load_tile(Q, start_m, N_Q, stride_qn, BLOCK_M, HEAD_DIM, USE_TMA)
+    q_tile = load_tile(Q, start_m, N_Q, stride_qn, BLOCK_M, HEAD_DIM, USE_TMA)
 
-    unmasked_end, end = _key_tile_bounds(start_m, N_K, IS_CAUSAL, BLOCK_M, BLOCK_N)
+    unmasked_end, end = key_tile_bounds(start_m, N_K, IS_CAUSAL, BLOCK_M, BLOCK_N)
     acc, l_i, m_i = _fwd_key_tiles(acc, l_i, m_i, q_tile, K, V, stride_kn, stride_vn, 0, unmasked_end, rows, N_K,
                                    qk_scale, False, IS_CAUSAL, HEAD_DIM, BLOCK_N, USE_TMA)
     acc, l_i, m_i = _fwd_key_tiles(acc, l_i, m_i, q_tile, K, V, stride_kn, stride_vn, unmasked_end, end, rows, N_K,
                                    qk_scale, True, IS_CAUSAL, HEAD_DIM, BLOCK_N, USE_TMA)
 
     # Normalise once, at the end. Every row saw key 0, so l_i >= 1.
-    _store_tile(O, start_m, N_Q, stride_on, acc / l_i[:, None], BLOCK_M, HEAD_DIM, USE_TMA)
+    store_tile(O, start_m, N_Q, stride_on, acc / l_i[:, None], BLOCK_M, HEAD_DIM, USE_TMA)
     lse = (m_i + tl.log2(l_i)) * LN_2  # back to natural log
     tl.store(LSE + bh * N_Q + rows, lse, mask=rows < N_Q)
 

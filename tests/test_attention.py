@@ -16,13 +16,13 @@ import torch
 
 from attention import (BACKENDS, FlashAttentionPytorch, attention, packed_attention, triton_attention,
                        triton_fwd_attention)
+from attention import triton_launch
 from attention.eager import eager_attention_with_lse
+from attention.inputs import unpack_heads
 from attention.tiled import tiled_forward
 from attention.triton_backward import DKDV_CONFIGS, DQ_CONFIGS, dkdv_smem_rows, dq_smem_rows, flash_backward
-from attention.flash_triton import unpack_heads
-from attention import triton_common
-from attention.triton_common import TunedKernel, TuningKey, descriptor_ready, prune_configs
 from attention.triton_forward import FORWARD_CONFIGS, flash_forward, forward_smem_rows
+from attention.triton_launch import TunedKernel, TuningKey, descriptor_ready, prune_configs
 
 import triton  # noqa: E402, I001  (after attention, which decides whether Triton interprets)
 
@@ -208,8 +208,8 @@ def timed_configs(tmp_path, monkeypatch):
     """TunedKernel on a FakeKernel as on a GPU (several candidates to time; the interpreter has
     one), its choices persisted under tmp_path. Returns the list of timed configs' BLOCK_M: the
     stand-in do_bench runs the launch once and reports BLOCK_M 32 as the fastest."""
-    monkeypatch.setenv(triton_common.TUNING_CACHE_ENV, str(tmp_path))
-    monkeypatch.setattr(triton_common, "INTERPRETING", False)
+    monkeypatch.setenv(triton_launch.TUNING_CACHE_ENV, str(tmp_path))
+    monkeypatch.setattr(triton_launch, "INTERPRETING", False)
     timed = []
 
     def fake_do_bench(fn, **kwargs):
@@ -246,7 +246,7 @@ def test_tuning_is_persisted_and_a_second_process_does_not_tune(timed_configs, t
 
 
 def test_tuning_never_times_inside_a_cuda_graph_capture(timed_configs, monkeypatch):
-    monkeypatch.setattr(triton_common, "capturing", lambda device: True)
+    monkeypatch.setattr(triton_launch, "capturing", lambda device: True)
     tuned = TunedKernel(FakeKernel(), TIMING_CONFIGS, lambda config: (0, 0))
     tuned(lambda meta: (1, 1), TuningKey(64, 64, 16, True, torch.float32), torch.randn(64, 16), 64)
     assert tuned.tunings == 0 and timed_configs == [] and tuned.kernel.launches == ["full"]
@@ -373,18 +373,18 @@ def test_float16_on_cpu(backend):
 
 def test_triton_gradients_come_from_triton_kernels(monkeypatch):
     """`triton` must use the Triton backward, `triton_fwd` the PyTorch one: poison the other."""
-    import attention.flash_triton as flash_triton
+    import attention.triton_ops as triton_ops
 
     def poisoned(*args, **kwargs):
         raise AssertionError("wrong backward ran")
 
     q, k, v = random_qkv((1, 2, 20, 16), 20)
-    monkeypatch.setattr(flash_triton, "recompute_backward", poisoned)
+    monkeypatch.setattr(triton_ops, "recompute_backward", poisoned)
     attention(q, k, v, True, "triton").sum().backward()
     with pytest.raises(AssertionError, match="wrong backward"):
         attention(q, k, v, True, "triton_fwd").sum().backward()
     monkeypatch.undo()
-    monkeypatch.setattr(flash_triton, "flash_backward", poisoned)
+    monkeypatch.setattr(triton_ops, "flash_backward", poisoned)
     attention(q, k, v, True, "triton_fwd").sum().backward()
     with pytest.raises(AssertionError, match="wrong backward"):
         attention(q, k, v, True, "triton").sum().backward()

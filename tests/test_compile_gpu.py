@@ -3,8 +3,8 @@ The CPU versions of these checks are in test_attention.py, test_model.py and tes
 import pytest
 import torch
 
-from attention import attention, triton_common
-from attention.flash_triton import unpack_heads
+from attention import attention, triton_launch
+from attention.inputs import unpack_heads
 from model import GPT, GPTConfig, compile_model
 from attention.triton_forward import _attn_fwd_tuned
 from test_attention import GPU_TOLERANCE, random_qkv
@@ -85,7 +85,7 @@ def test_gpu_reduce_overhead_trains_every_backend(attn, tiny_args, tmp_path):
 def test_gpu_a_new_shape_inside_a_cuda_graph_capture_is_not_timed(tmp_path, monkeypatch):
     """The first call at a shape, inside a capture, with no saved choice: no timing (it would
     sync, and record the timing launches), and the replayed graph computes the right O."""
-    monkeypatch.setenv(triton_common.TUNING_CACHE_ENV, str(tmp_path))
+    monkeypatch.setenv(triton_launch.TUNING_CACHE_ENV, str(tmp_path))
     q, k, v = (t.detach() for t in random_qkv((1, 2, 1500, 32), 1500, dtype=torch.float16, device="cuda", seed=3))
     tunings = _attn_fwd_tuned.tunings
     graph = torch.cuda.CUDAGraph()

@@ -2,7 +2,7 @@
 its 99 KB of shared memory, and every kernel compiles for sm_89 and for Hopper (sm_90, TMA).
 
 Triton compiles for a GPU target without a GPU; the compiler reports the shared memory each
-kernel allocates. The prune in attention/triton_common.py keeps a config when its estimate
+kernel allocates. The prune in attention/triton_launch.py keeps a config when its estimate
 fits; this checks the compiler's real number against the limit at the largest head dim and
 element size the estimate lets each config through for. Runs in a subprocess, because the
 test process runs the kernels through the interpreter.
@@ -14,7 +14,7 @@ import sys
 
 import pytest
 
-from attention.triton_common import ADA_SHARED_MEMORY_BYTES
+from attention.triton_launch import ADA_SHARED_MEMORY_BYTES
 
 # One worker runs this module, so its module-scoped fixture runs once (see pytest.ini).
 pytestmark = pytest.mark.xdist_group("triton_configs")
@@ -51,7 +51,7 @@ def measure():
     """Compile every config for sm_90; for each cp.async config, also compile for sm_89 at the
     largest head dim the estimate admits per element size, and report the compiler's shared memory."""
     from attention.triton_backward import DKDV_CONFIGS, DQ_CONFIGS, _bwd_dkdv, _bwd_dq, dkdv_smem_rows, dq_smem_rows
-    from attention.triton_common import shared_memory_bytes
+    from attention.triton_launch import shared_memory_bytes
     from attention.triton_forward import FORWARD_CONFIGS, _attn_fwd, forward_smem_rows
 
     results = []

@@ -15,15 +15,16 @@ inside. `torch.library.triton_op`, which lets Inductor see the kernels, was not 
   (a) it does not trace when the kernels run in the CPU interpreter, so CI could not check
       the compiled path;
   (b) its launches go through wrap_triton, losing TunedKernel's direct launches, which keep the
-      uncompiled model's host cost low (triton_common.py);
-  (c) on the H200, opaque ops gave a compiled model compiled sdpa's GPU time per step (issue 13).
+      uncompiled model's host cost low (triton_launch.py);
+  (c) opaque ops already give a compiled model compiled sdpa's GPU time per step
+      (docs/optimisation.md, "Tried and rejected").
 
 A custom op may not return a view of an input, and its fake outputs must have the real ones'
 strides: every output is a new tensor laid out from the inputs' shapes and strides alone
 (new_output_like), the same way by the real and the fake implementation. The forwards save
 exactly (Q, K, V, O, lse) for backward (the packed one: QKV, O, lse). Leading dims are folded into
 (B, H) views, so any (..., N, D) input works; q, k, v are read through their strides, never
-copied, unless their layout is one TMA cannot describe (see triton_common.descriptor_ready).
+copied, unless their layout is one TMA cannot describe (see triton_launch.descriptor_ready).
 
 Double backward is not supported: the backward ops' own gradient raises a clear error rather
 than give a wrong number (the saved lse's gradient is not modelled).
@@ -31,16 +32,11 @@ than give a wrong number (the saved lse's gradient is not modelled).
 import torch
 from torch import Tensor
 
-from .inputs import check_inputs, check_triton_inputs
+from .inputs import check_inputs, check_triton_inputs, unpack_heads
 from .recompute_backward import recompute_backward
 from .triton_backward import flash_backward
-from .triton_common import as_4d, check_kernel_device, descriptor_ready, tma_describable
 from .triton_forward import flash_forward
-
-
-def unpack_heads(qkv):
-    """(B, N, 3, H, D) -> q, k, v as (B, H, N, D) views."""
-    return qkv.permute(2, 0, 3, 1, 4).unbind(0)
+from .triton_launch import as_4d, check_kernel_device, descriptor_ready, tma_describable
 
 
 def new_output_like(t):

@@ -1,6 +1,8 @@
-"""What the Triton kernels share: layout checks, the interpreter warning, tile-config limits
-and the tuning that picks a config per shape. (Whether the kernels are compiled or
-interpreted is decided in attention/__init__.py.)"""
+"""How the host launches the Triton kernels: the layouts they take (descriptor_ready), the
+device check and the interpreter warning, the tile configs that fit a card, and TunedKernel,
+which picks a config per shape and launches it. (Whether the kernels are compiled or
+interpreted is decided in attention/__init__.py; what runs inside them is triton_tiles.py,
+triton_forward.py and triton_backward.py.)"""
 import json
 import os
 import re
@@ -109,8 +111,9 @@ def shared_memory_limit(device):
     return triton.runtime.driver.active.utils.get_device_properties(index)["max_shared_mem"]
 
 
-# Shared memory the compiler adds beyond the tiles (barriers, layout-conversion scratch);
-# the most seen in tests/test_triton_configs.py is 4 KB.
+# Shared memory the compiler adds beyond the tiles (barriers, layout-conversion scratch): twice
+# the most tests/test_triton_configs.py has seen (docs/optimisation.md, "What the tile-config
+# sweep taught us").
 SHARED_MEMORY_SLACK_BYTES = 8192
 
 
@@ -201,15 +204,15 @@ class TunedKernel:
     saved choice, keeps the first candidate for the process. `tunings` counts the timed tunings.
 
     Why not triton.autotune (with key, prune_configs_by and cache_results, which also persists):
-    its launches go through kernel[grid](...), which costs Triton's launcher about 50 us of CPU
-    time on the H200's host: it binds the ~30 arguments, re-derives what the kernel was
-    specialised on and looks the binary up. At the model's shapes the GPU would wait on that,
-    so here each launch's compiled kernel is kept and later launches with the same tuning key,
-    grid and scalar arguments call it directly (about 16 us; docs/optimisation.md, "The launch
-    path"). That is safe because everything Triton specialises a binary on is in that key or
-    checked: the scalars include every int argument (strides, heads, lengths), the tensors'
-    dtype is the tuning key's, and their 16-byte alignment is checked at each launch. (The
-    interpreter returns no compiled kernel: every launch takes the long way.)"""
+    its launches go through kernel[grid](...), where Triton's launcher binds the ~30 arguments,
+    re-derives what the kernel was specialised on and looks the binary up, at each launch. At
+    the model's shapes the GPU would wait on that CPU time, so here each launch's compiled
+    kernel is kept and later launches with the same tuning key, grid and scalar arguments call
+    it directly (docs/optimisation.md, "The launch path", measures the saving). That is safe
+    because everything Triton specialises a binary on is in that key or checked: the scalars
+    include every int argument (strides, heads, lengths), the tensors' dtype is the tuning
+    key's, and their 16-byte alignment is checked at each launch. (The interpreter returns no
+    compiled kernel: every launch takes the long way.)"""
 
     def __init__(self, kernel, configs, smem_rows):
         self.kernel, self.configs, self.smem_rows = kernel, configs, smem_rows
@@ -245,8 +248,8 @@ class TunedKernel:
         short = [c for c in fitting if c.kwargs["BLOCK_M"] <= key.n_q and c.kwargs["BLOCK_N"] <= key.n_k]
         if not short:
             return [min(fitting, key=lambda c: c.kwargs["BLOCK_M"] * c.kwargs["BLOCK_N"])]
-        # Compiling a config costs about a second, timing it far less, so only the first few are
-        # timed: each kernel's list is ordered best first (bench.py --configs on the H200).
+        # Compiling a config costs far more than timing it (docs/benchmarks.md, "Tuning cost"), so
+        # only the first few are timed: each kernel's list is ordered best first (bench.py --configs).
         return short[:TIMED_CANDIDATES]
 
     def choose_config(self, grid, key, args, constexprs):
