@@ -328,9 +328,10 @@ DECODE_RUNS = ("no cache", "KV cache", "KV cache, compiled")
 def decode_tokens_per_s(model, batch, run):
     """model.generate's tokens/s from a 1-token prompt, and the seconds of a first, untimed run,
     which compiles, tunes and captures; the second run is timed, between synchronisations. Both
-    cached runs replay the decode step as a CUDA graph (GPT.generate's StaticDecoder), the
-    compiled one with the step compiled by Inductor inside it. The prefill and the no-cache loop
-    stay eager: the no-cache loop meets a new context length, so a new shape, at every token."""
+    cached runs replay one CUDA graph per token (GPT.generate's StaticDecoder: the decode step,
+    the sampling and the feeding back of the drawn token), the compiled one with the step
+    compiled by Inductor inside it. The prefill and the no-cache loop stay eager: the no-cache
+    loop meets a new context length, so a new shape, at every token."""
     prompt = torch.zeros(batch, 1, dtype=torch.long, device="cuda")
     seconds = []
     for _ in range(2):
@@ -372,7 +373,8 @@ def decode_throughput(out, backends):
                   + " s)", flush=True)
     lines = [f"Greedy decoding tokens/s: an untrained configs/shakespeare.py model (block_size {config.block_size}), "
              f"bf16 autocast, a 1-token prompt and {DECODE_NEW_TOKENS} new tokens; the second of two runs. Both cached "
-             "columns replay the decode step as a CUDA graph; the compiled one compiles it first (Inductor). First "
+             "columns replay one CUDA graph per token (the decode step and the sampling); the compiled one compiles "
+             "the step first (Inductor). First "
              "runs: the seconds of the untimed first run (compiling, tuning, capturing).", "",
              "| backend | batch | " + " | ".join(DECODE_RUNS) + " | cache / no cache | compiled cache / no cache "
              "| first runs (s) |",
