@@ -150,9 +150,9 @@ class StaticDecoder:
     def capture(self):
         """Warm up on a side stream (torch.compile compiles, Triton loads its kernels, and nothing
         of that may happen during capture), then record one step, which capture does not run.
-        The warm-up steps write the keys and values of this position and the next, which the
-        replays write again before any query sees them, and they draw on a forked RNG and from
-        saved token and pos, so the replays draw what uncaptured steps would. Autocast's cache of
+        Each warm-up step starts from the saved token and pos, so it writes this position's key
+        and value as the first replay will (and never a position past the cache), and they draw
+        on a forked RNG, so the replays draw what uncaptured steps would. Autocast's cache of
         cast weights would be freed when autocast exits, under a graph that still reads it: the
         graph casts instead."""
         autocast = dict(device_type="cuda", dtype=torch.get_autocast_dtype("cuda"),
@@ -163,6 +163,8 @@ class StaticDecoder:
             side.wait_stream(torch.cuda.current_stream())
             with torch.cuda.stream(side), torch.random.fork_rng(devices=[self.token.device]):
                 for _ in range(2):
+                    self.token.copy_(token)
+                    self.pos.copy_(pos)
                     self.step()
             torch.cuda.current_stream().wait_stream(side)
             self.token.copy_(token)

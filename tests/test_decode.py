@@ -261,3 +261,14 @@ def test_a_cuda_graph_draws_the_sampled_tokens_of_the_uncaptured_decode_for_one_
     for _ in range(2):
         torch.manual_seed(5)
         assert torch.equal(gpt.generate(tokens, max_new_tokens=20, temperature=1.0, top_k=50), expected_tokens)
+
+
+@pytest.mark.gpu
+def test_a_cuda_graph_captured_at_the_last_position_of_the_cache():
+    # A 15-token prompt leaves room for one decode step (block_size=16): the capture and its
+    # warm-up happen at the last position, and must not step past the cache; then the refills.
+    gpt = context_sensitive_gpt("sdpa").cuda()
+    tokens = prompt(length=15).cuda()
+    expected_tokens = gpt.generate(tokens, max_new_tokens=6, top_k=1, kv_cache=False)
+    assert torch.equal(gpt.generate(tokens, max_new_tokens=6, top_k=1), expected_tokens)
+    assert len(set(expected_tokens[0, 15:].tolist())) > 3
