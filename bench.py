@@ -328,9 +328,10 @@ DECODE_RUNS = ("no cache", "KV cache", "KV cache, compiled")
 def decode_tokens_per_s(model, batch, run):
     """model.generate's tokens/s from a 1-token prompt, and the seconds of a first, untimed run,
     which compiles, tunes and captures; the second run is timed, between synchronisations. Both
-    cached runs replay the decode step as a CUDA graph (GPT.generate's StaticDecoder), the
-    compiled one with the step compiled by Inductor inside it. The prefill and the no-cache loop
-    stay eager: the no-cache loop meets a new context length, so a new shape, at every token."""
+    cached runs replay one CUDA graph per token (GPT.generate's StaticDecoder: the decode step,
+    the sampling and the feeding back of the drawn token), the compiled one with the step
+    compiled by Inductor inside it. The prefill and the no-cache loop stay eager: the no-cache
+    loop meets a new context length, so a new shape, at every token."""
     prompt = torch.zeros(batch, 1, dtype=torch.long, device="cuda")
     seconds = []
     for _ in range(2):
@@ -342,6 +343,24 @@ def decode_tokens_per_s(model, batch, run):
         torch.cuda.synchronize()
         seconds.append(time.perf_counter() - start)
     return batch * DECODE_NEW_TOKENS / seconds[-1], seconds[0]
+
+
+def graph_gpu_us_per_step(decoder, steps=64):
+    """GPU microseconds of one replay of the decoder's CUDA graph (a whole token: the step and
+    the sampling), from positions block_size/4 on: the replays are queued behind a GPU sleep
+    (torch.cuda._sleep, as PyTorch's own tests use) long enough for the host to queue them all,
+    so the GPU runs them back to back and the events time the GPU alone. Against the wall time
+    of a step it says what the host costs."""
+    decoder.pos.fill_(decoder.cache.block_size // 4)
+    start, end = torch.cuda.Event(enable_timing=True), torch.cuda.Event(enable_timing=True)
+    torch.cuda.synchronize()
+    torch.cuda._sleep(50_000_000)  # clock cycles: about 25 ms, time to queue the replays
+    start.record()
+    for _ in range(steps):
+        decoder.graph.replay()
+    end.record()
+    end.synchronize()
+    return start.elapsed_time(end) * 1000 / steps
 
 
 def decode_throughput(out, backends):
@@ -366,21 +385,31 @@ def decode_throughput(out, backends):
                     torch._dynamo.reset()
                     model.compile_decode_step()
                 row[run], row[run + " first run s"] = decode_tokens_per_s(model, batch, run)
+                if run != "no cache":
+                    row[run + " GPU us/step"] = graph_gpu_us_per_step(model.generate_decoder)
+                    row[run + " wall us/step"] = 1e6 * batch / row[run]
             rows.append(row)
             print(f"{name:<11} batch {batch:>2}  " + "  ".join(f"{run} {row[run]:9,.0f}" for run in DECODE_RUNS)
                   + "  tok/s  (first runs " + ", ".join(f"{row[run + ' first run s']:.1f}" for run in DECODE_RUNS)
-                  + " s)", flush=True)
+                  + " s; GPU / wall us a step " + ", ".join(f"{row[run + ' GPU us/step']:,.0f} / "
+                                                         f"{row[run + ' wall us/step']:,.0f}" for run in DECODE_RUNS[1:])
+                  + ")", flush=True)
     lines = [f"Greedy decoding tokens/s: an untrained configs/shakespeare.py model (block_size {config.block_size}), "
              f"bf16 autocast, a 1-token prompt and {DECODE_NEW_TOKENS} new tokens; the second of two runs. Both cached "
-             "columns replay the decode step as a CUDA graph; the compiled one compiles it first (Inductor). First "
-             "runs: the seconds of the untimed first run (compiling, tuning, capturing).", "",
+             "columns replay one CUDA graph per token (the decode step and the sampling); the compiled one compiles "
+             "the step first (Inductor). First "
+             "runs: the seconds of the untimed first run (compiling, tuning, capturing). GPU / wall: microseconds a "
+             "step (one token per sequence) of the graph's replay alone on the GPU (graph_gpu_us_per_step) and of "
+             "the timed run's wall clock; the difference is the host's.", "",
              "| backend | batch | " + " | ".join(DECODE_RUNS) + " | cache / no cache | compiled cache / no cache "
-             "| first runs (s) |",
-             "|---" * (len(DECODE_RUNS) + 5) + "|"]
+             "| first runs (s) | GPU / wall us a step, cache | GPU / wall us a step, compiled |",
+             "|---" * (len(DECODE_RUNS) + 7) + "|"]
     for r in rows:
         lines.append(f"| {r['backend']} | {r['batch']} | " + " | ".join(f"{r[run]:,.0f}" for run in DECODE_RUNS)
                      + f" | {r['KV cache'] / r['no cache']:.2f}x | {r['KV cache, compiled'] / r['no cache']:.2f}x | "
-                     + " / ".join(f"{r[run + ' first run s']:.1f}" for run in DECODE_RUNS) + " |")
+                     + " / ".join(f"{r[run + ' first run s']:.1f}" for run in DECODE_RUNS) + " | "
+                     + " | ".join(f"{r[run + ' GPU us/step']:,.0f} / {r[run + ' wall us/step']:,.0f}"
+                                  for run in DECODE_RUNS[1:]) + " |")
     with open(os.path.join(out, "decode.json"), "w") as f:
         json.dump(dict(env=environment(), model=config.__dict__, new_tokens=DECODE_NEW_TOKENS, results=rows), f,
                   indent=1, default=str)

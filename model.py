@@ -11,9 +11,10 @@ each step feeds only the newest token. The prompt goes in first as a normal call
 queries and keys are the same tokens, top-left causal, is_causal=True). After it, each step is
 GPT.decode_step: the new token's key and value are written into the static cache at its
 position, and its query sees cached keys [0, position] through attention.decode_attention,
-with that count as a device tensor. generate feeds the step through a StaticDecoder: the token
-and position go into the same two buffers every step, so the step has the same inputs at every
-token; on CUDA it is captured once as a CUDA graph and replayed, and compiling it
+with that count as a device tensor. generate runs the step through a StaticDecoder: the token,
+its position and the tokens drawn live in static device buffers that the step itself updates,
+sampling included (sample_next_token), so the step has the same inputs at every token; on CUDA
+it is captured once as a CUDA graph and a token is one replay, and compiling it
 (sample.py --compile=True) adds Inductor's fusion inside that graph.
 """
 import contextlib
@@ -60,70 +61,117 @@ class GPTConfig:
 
 
 class KVCache:
-    """Every layer's keys and values: static (n_layer, B, H, block_size, D) buffers, of which
-    positions [0, length) are filled. Allocated whole and zeroed up front (a masked key's
-    probability is 0, but 0 * NaN from uninitialised memory would still be NaN), they never grow
-    or move: a model with learned positions cannot see past block_size anyway (see GPT.generate
-    for what happens there), and a decode step, compiled or captured as a CUDA graph, sees the
-    same tensors at every step (see StaticDecoder).
+    """Every layer's keys and values: layers[i] is layer i's (k, v), two static
+    (B, H, block_size, D) buffers, of which positions [0, length) are filled. Allocated whole and
+    zeroed up front (a masked key's probability is 0, but 0 * NaN from uninitialised memory would
+    still be NaN), they never grow or move: a model with learned positions cannot see past
+    block_size anyway (see GPT.generate for what happens there), and a decode step, compiled or
+    captured as a CUDA graph, sees the same tensors at every step (see StaticDecoder).
+    A tensor per layer, not one (n_layer, ...) tensor of which each layer writes a view: compiled,
+    a write into a view of a graph input is applied to a copy of the whole input, copied back
+    after the step (every layer's cache, twice, at every token); a write into the input itself
+    Inductor makes in place.
     length is the host's count of the tokens stored; GPT.forward and GPT.generate keep it."""
 
     def __init__(self, n_layer, batch_size, n_head, block_size, head_dim, dtype, device):
-        shape = (n_layer, batch_size, n_head, block_size, head_dim)
-        self.k = torch.zeros(shape, dtype=dtype, device=device)
-        self.v = torch.zeros(shape, dtype=dtype, device=device)
+        shape = (batch_size, n_head, block_size, head_dim)
+        self.layers = [(torch.zeros(shape, dtype=dtype, device=device), torch.zeros(shape, dtype=dtype, device=device))
+                       for _ in range(n_layer)]
+        self.batch_size, self.block_size, self.dtype, self.device = batch_size, block_size, dtype, self.layers[0][0].device
         self.length = 0
 
 
+def sample_next_token(logits, vocab_size, temperature=1.0, top_k=None):
+    """The next token (B, 1) drawn from the last position's logits (B, padded vocab): the one
+    sampling function of every path (no cache, prefill, the captured decode step). Only the first
+    vocab_size columns are drawn from, so a padding id never is. It never asks the host for a
+    value (no bool-mask indexing, no check of its input), so a CUDA graph can capture it: an exponential
+    race, argmax(p / E) with E ~ Exp(1) drawn per token, picks token i with probability p_i (the
+    Gumbel-max trick, as gpt-fast samples). E is kept above 0, so that p / E is finite and a
+    token of probability 0 can never win; top_k=1 therefore draws the argmax exactly."""
+    logits = logits[:, :vocab_size].float() / temperature
+    if top_k is not None:
+        kth = torch.topk(logits, min(top_k, vocab_size)).values[:, [-1]]
+        logits = logits.masked_fill(logits < kth, float("-inf"))
+    probs = F.softmax(logits, dim=-1)
+    race = torch.empty_like(probs).exponential_(1).clamp_min_(torch.finfo(probs.dtype).tiny)
+    return torch.argmax(probs / race, dim=-1, keepdim=True)
+
+
 class StaticDecoder:
-    """generate's one-token step: GPT.decode_step over a static KVCache, fed through two static
-    buffers, token (B, 1) and pos (1,), that each step copies its inputs into. Every input of the
-    step then has one shape, stride and address for the decoder's life: torch.compile compiles it
-    once (a view such as idx[:, -1:] changes its stride and offset at every token, and Dynamo
-    recompiled for each), and on CUDA the step is captured once into a torch.cuda.CUDAGraph and
-    replayed per token. At batch 1 a step is a few hundred small kernels that the GPU runs faster
-    than Python issues them; replayed, it is one launch, compiled or not. On the CPU it runs as is."""
+    """generate's decoding loop after a prefill: per token, GPT.decode_step over a static
+    KVCache and sample_next_token, with the sampling settings fixed for the decoder's life.
+    Its state lives in static device buffers: token (B, 1), the token to feed; pos (1,), its
+    position; drawn (B, block_size), where the token drawn at position p is written at column p.
+    One step feeds token at pos, draws the next token into token and drawn, and advances pos,
+    all on the device, so the host only repeats the step and reads drawn once at the end.
+    Every input of the step has one shape, stride and address for the decoder's life:
+    torch.compile compiles decode_step once (a view such as idx[:, -1:] changes its stride and
+    offset at every token, and Dynamo recompiled for each), and on CUDA the whole step,
+    sampling included, is captured once into a torch.cuda.CUDAGraph: a token is one replay,
+    compiled or not (at batch 1 a step is a few hundred small kernels that the GPU runs faster
+    than Python issues them). On the CPU the step runs as is."""
 
-    def __init__(self, step, cache):
-        self.step = step
+    def __init__(self, step, cache, vocab_size, temperature, top_k):
+        self.decode_step = step
         self.cache = cache
-        self.token = torch.zeros(cache.k.shape[1], 1, dtype=torch.long, device=cache.k.device)
-        self.pos = torch.zeros(1, dtype=torch.long, device=cache.k.device)
+        self.sampling = dict(vocab_size=vocab_size, temperature=temperature, top_k=top_k)
+        batch, device = cache.batch_size, cache.device
+        self.token = torch.zeros(batch, 1, dtype=torch.long, device=device)
+        self.pos = torch.zeros(1, dtype=torch.long, device=device)
+        self.drawn = torch.zeros(batch, cache.block_size, dtype=torch.long, device=device)
         self.graph = None
-        self.logits = None  # the graph's output buffer, rewritten by every replay
 
-    def __call__(self, token):
-        """Logits (B, 1, vocab) for token (B, 1) at position cache.length; stores its key and value."""
+    def step(self):
+        logits = self.decode_step(self.token, self.pos, self.cache)
+        next_token = sample_next_token(logits[:, -1, :], **self.sampling)
+        self.drawn.index_copy_(1, self.pos, next_token)
+        self.token.copy_(next_token)
+        self.pos.add_(1)
+
+    def decode(self, token, n_tokens):
+        """The n_tokens tokens (B, n_tokens) drawn after feeding token (B, 1) at position
+        cache.length, each fed in turn; their keys and values go into the cache."""
+        start = self.cache.length
+        if start + n_tokens > self.drawn.shape[1]:
+            raise ValueError(f"{n_tokens} tokens after {start} cached exceed block_size={self.drawn.shape[1]}")
         self.token.copy_(token)
-        self.pos.fill_(self.cache.length)  # the value goes in as a kernel argument: no host-to-device copy
-        if self.cache.k.device.type != "cuda":
-            logits = self.step(self.token, self.pos, self.cache)
-        else:
+        self.pos.fill_(start)  # the value goes in as a kernel argument: no host-to-device copy
+        if self.cache.device.type == "cuda" and self.graph is None:
+            self.capture()
+        for _ in range(n_tokens):
             if self.graph is None:
-                self.capture()
-            self.graph.replay()
-            logits = self.logits
-        self.cache.length += 1
-        return logits
+                self.step()
+            else:
+                self.graph.replay()
+        self.cache.length = start + n_tokens
+        return self.drawn[:, start:start + n_tokens].clone()
 
     def capture(self):
         """Warm up on a side stream (torch.compile compiles, Triton loads its kernels, and nothing
-        of that may happen during capture), then record one step. Both run the real step, at the
-        current token and position: they write the same key and value to the same place, so the
-        replay that follows finds the cache as it should be. Autocast's cache of cast weights would
-        be freed when autocast exits, under a graph that still reads it: the graph casts instead."""
+        of that may happen during capture), then record one step, which capture does not run.
+        Each warm-up step starts from the saved token and pos, so it writes this position's key
+        and value as the first replay will (and never a position past the cache), and they draw
+        on a forked RNG, so the replays draw what uncaptured steps would. Autocast's cache of
+        cast weights would be freed when autocast exits, under a graph that still reads it: the
+        graph casts instead."""
         autocast = dict(device_type="cuda", dtype=torch.get_autocast_dtype("cuda"),
                         enabled=torch.is_autocast_enabled("cuda"), cache_enabled=False)
+        token, pos = self.token.clone(), self.pos.clone()
         with torch.autocast(**autocast):
             side = torch.cuda.Stream()
             side.wait_stream(torch.cuda.current_stream())
-            with torch.cuda.stream(side):
+            with torch.cuda.stream(side), torch.random.fork_rng(devices=[self.token.device]):
                 for _ in range(2):
-                    self.step(self.token, self.pos, self.cache)
+                    self.token.copy_(token)
+                    self.pos.copy_(pos)
+                    self.step()
             torch.cuda.current_stream().wait_stream(side)
+            self.token.copy_(token)
+            self.pos.copy_(pos)
             self.graph = torch.cuda.CUDAGraph()
             with torch.cuda.graph(self.graph):
-                self.logits = self.step(self.token, self.pos, self.cache)
+                self.step()
 
 
 class CausalSelfAttention(nn.Module):
@@ -258,8 +306,8 @@ class GPT(nn.Module):
         if start + T > self.config.block_size:
             raise ValueError(f"sequence length {start + T} ({start} cached + {T} new) exceeds "
                              f"block_size={self.config.block_size}")
-        if cache is not None and cache.k.shape[1] != B:
-            raise ValueError(f"idx has batch {B} but the cache was made for batch {cache.k.shape[1]}")
+        if cache is not None and cache.batch_size != B:
+            raise ValueError(f"idx has batch {B} but the cache was made for batch {cache.batch_size}")
         pos = torch.arange(start, start + T, device=idx.device)
         x = self.hidden_states(idx, pos, cache)
         if cache is not None:
@@ -275,7 +323,7 @@ class GPT(nn.Module):
         """The final LayerNorm's output (B, T, n_embd) for tokens idx at positions pos (T,)."""
         x = self.transformer.drop(self.transformer.wte(idx) + self.transformer.wpe(pos))
         for i, block in enumerate(self.transformer.h):
-            x = block(x, None if cache is None else (cache.k[i], cache.v[i]), pos)
+            x = block(x, None if cache is None else cache.layers[i], pos)
         return self.transformer.ln_f(x)
 
     def decode_step(self, token, pos, cache):
@@ -290,8 +338,9 @@ class GPT(nn.Module):
         split it). generate's StaticDecoder gives it the same inputs at every step and captures
         it in its own CUDA graph on the GPU, so Inductor's mode stays the default (its own CUDA
         graphs cannot be recorded inside another); dynamic=False, so that a new batch size
-        compiles its own static graph rather than a dynamic one. Sampling stays outside, in
-        eager, so that one seed draws the same tokens compiled or not."""
+        compiles its own static graph rather than a dynamic one. Sampling (the decoder's, in its
+        CUDA graph) stays out of the compiled graph: Inductor draws random numbers its own way, and
+        uncompiled, one seed draws the same tokens whether the step is compiled or not."""
         self.decode_step = torch.compile(self.decode_step, backend=backend, fullgraph=True, dynamic=False)
         self.generate_decoder = None  # its graph recorded the uncompiled step
 
@@ -315,16 +364,19 @@ class GPT(nn.Module):
         cfg = self.config
         return 6 * self.num_params() + 12 * cfg.n_layer * cfg.n_embd * cfg.block_size
 
-    def reusable_decoder(self, batch_size, device):
-        """generate's StaticDecoder: the one of its last call when it fits, so that its cache,
-        buffers and CUDA graph are reused, not allocated and recorded again at every generate.
-        The cache's dtype is that of the keys: autocast's under autocast, else the weights'."""
+    def reusable_decoder(self, batch_size, device, temperature, top_k):
+        """generate's StaticDecoder: the one of its last call when it fits (batch, dtype, device
+        and sampling settings), so that its cache, buffers and CUDA graph are reused, not
+        allocated and recorded again at every generate; other sampling settings mean another
+        graph. The cache's dtype is that of the keys: autocast's under autocast, else the weights'."""
         device_type = device.type
         dtype = torch.get_autocast_dtype(device_type) if torch.is_autocast_enabled(device_type) else self.lm_head.weight.dtype
+        sampling = dict(vocab_size=self.config.vocab_size, temperature=temperature, top_k=top_k)
         decoder = self.generate_decoder
-        if decoder is None or decoder.cache.k.shape[1] != batch_size or decoder.cache.k.dtype != dtype \
-                or decoder.cache.k.device != device:
-            decoder = self.generate_decoder = StaticDecoder(self.decode_step, self.new_cache(batch_size, dtype, device))
+        if decoder is None or decoder.cache.batch_size != batch_size or decoder.cache.dtype != dtype \
+                or decoder.cache.device != device or decoder.sampling != sampling:
+            decoder = self.generate_decoder = StaticDecoder(self.decode_step, self.new_cache(batch_size, dtype, device),
+                                                            **sampling)
         return decoder
 
     @torch.no_grad()
@@ -333,31 +385,26 @@ class GPT(nn.Module):
         block_size tokens each step. Padding ids past the real vocabulary are never drawn.
 
         kv_cache=False feeds the whole context every step. kv_cache=True prefills a cache
-        with the context once, then runs decode_step on the newest token. Once the cache holds
-        block_size tokens it is refilled from the last block_size tokens at every step: the
-        context window slides by one, every token's position changes, and with learned
-        positions so do all the cached keys and values. Past block_size the cache saves
-        nothing, but both loops show the model the same tokens at the same positions, so
-        greedy decoding (top_k=1) gives the same tokens with and without the cache."""
-        block_size = self.config.block_size
-        decoder = None
-        for _ in range(max_new_tokens):
-            if not kv_cache:
-                logits, _ = self(idx[:, -block_size:])
-            elif decoder is None or decoder.cache.length == block_size:
-                if decoder is None:
-                    decoder = self.reusable_decoder(idx.size(0), idx.device)
-                decoder.cache.length = 0  # the same buffers, refilled: the decoder keeps its graph
-                logits, _ = self(idx[:, -block_size:], cache=decoder.cache)
+        with the context once, then lets a StaticDecoder feed each drawn token back, on the
+        device, until the cache holds block_size tokens. From then on it is refilled from the
+        last block_size tokens at every step: the context window slides by one, every token's
+        position changes, and with learned positions so do all the cached keys and values. Past
+        block_size the cache saves nothing, but both loops show the model the same tokens at
+        the same positions, so greedy decoding (top_k=1) gives the same tokens with and without
+        the cache. Every path draws with sample_next_token; the tokens stay on idx's device."""
+        block_size, vocab_size = self.config.block_size, self.config.vocab_size
+        decoder = self.reusable_decoder(idx.size(0), idx.device, temperature, top_k) if kv_cache else None
+        new_tokens = 0
+        while new_tokens < max_new_tokens:
+            if decoder is None or new_tokens == 0 or decoder.cache.length == block_size:
+                if decoder is not None:
+                    decoder.cache.length = 0  # the same buffers, refilled: the decoder keeps its graph
+                logits, _ = self(idx[:, -block_size:], cache=None if decoder is None else decoder.cache)
+                drawn = sample_next_token(logits[:, -1, :], vocab_size, temperature, top_k)
             else:
-                logits = decoder(idx[:, -1:])
-            logits = logits[:, -1, :] / temperature
-            logits[:, self.config.vocab_size:] = float("-inf")
-            if top_k is not None:
-                kth = torch.topk(logits, min(top_k, logits.size(-1))).values[:, [-1]]
-                logits = logits.masked_fill(logits < kth, float("-inf"))  # bool-mask indexing would sync
-            next_token = torch.multinomial(F.softmax(logits, dim=-1), num_samples=1)
-            idx = torch.cat((idx, next_token), dim=1)
+                drawn = decoder.decode(idx[:, -1:], min(max_new_tokens - new_tokens, block_size - decoder.cache.length))
+            idx = torch.cat((idx, drawn), dim=1)
+            new_tokens += drawn.size(1)
         return idx
 
 

@@ -1,12 +1,13 @@
 """decode_attention: one new query per sequence against a static KV cache, every backend
-against float64 eager, with n_keys a device tensor; and a compiled decode step that draws
-exactly the tokens of the uncompiled one."""
+against float64 eager, with n_keys a device tensor; sample_next_token, the one sampling function
+of every decoding path; a compiled decode step that draws exactly the tokens of the uncompiled
+one, and writes the cache in place."""
 import pytest
 import torch
 
 from attention import BACKENDS, decode_attention
 from attention.decode import eager_decode_attention
-from model import GPT, GPTConfig
+from model import GPT, GPTConfig, sample_next_token
 from test_kv_cache import context_sensitive_gpt, prompt
 from torch._dynamo.testing import CompileCounter  # imports triton: after attention, which picks the interpreter
 
@@ -93,10 +94,82 @@ def test_a_compiled_decode_step_draws_the_tokens_of_the_uncompiled_one(attn):
     torch._dynamo.reset()
     gpt = context_sensitive_gpt(attn)
     eager_tokens = gpt.generate(prompt(), max_new_tokens=14, top_k=1)
+    assert torch.equal(gpt.generate(prompt(), max_new_tokens=14, top_k=1, kv_cache=False), eager_tokens)
     gpt.compile_decode_step(backend="aot_eager")
     compiled_tokens = gpt.generate(prompt(), max_new_tokens=14, top_k=1)
     assert torch.equal(compiled_tokens, eager_tokens)
     assert all(len(set(row[5:].tolist())) > 6 for row in eager_tokens)
+
+
+def test_a_seeded_sampled_decode_is_reproducible_cached_compiled_or_not():
+    # Every path draws with sample_next_token, one exponential race per token, so one seed draws
+    # the same tokens with the cache, without it and with the step compiled (its sampling is not).
+    torch._dynamo.reset()
+    gpt = context_sensitive_gpt("eager")
+
+    def sampled(seed, **kwargs):
+        torch.manual_seed(seed)
+        return gpt.generate(prompt(), max_new_tokens=14, temperature=1.5, top_k=None, **kwargs)
+
+    tokens = sampled(3)
+    assert not torch.equal(sampled(4), tokens)  # it samples: another seed, other tokens
+    assert torch.equal(sampled(3), tokens)
+    assert torch.equal(sampled(3, kv_cache=False), tokens)
+    gpt.compile_decode_step(backend="aot_eager")
+    assert torch.equal(sampled(3), tokens)
+
+
+def test_sampling_draws_the_softmax_probabilities_of_the_top_k_and_never_a_padding_id():
+    # One row of logits, repeated: each of 20,000 rows is an independent draw. The padding
+    # columns (past vocab_size) hold the largest logits; the top 4 real ones get probabilities
+    # softmax([2, 1, 0.5, 0]) / temperature = 1, the rest none.
+    vocab_size, top_k = 50, 4
+    logits = torch.randn(vocab_size + 14, generator=torch.Generator().manual_seed(0)) - 5.0
+    logits[vocab_size:] = 100.0
+    best = torch.tensor([7, 31, 2, 45])
+    logits[best] = torch.tensor([2.0, 1.0, 0.5, 0.0])
+    torch.manual_seed(0)
+    drawn = sample_next_token(logits.expand(20_000, -1), vocab_size, temperature=1.0, top_k=top_k)
+    assert drawn.shape == (20_000, 1) and drawn.dtype == torch.long
+    counts = torch.bincount(drawn.flatten(), minlength=vocab_size + 14)
+    assert counts.sum() == counts[best].sum()  # top_k respected, padding never drawn
+    frequencies = counts[best].double() / 20_000
+    torch.testing.assert_close(frequencies, torch.softmax(logits[best].double(), 0), atol=0.015, rtol=0)
+
+
+def test_top_k_of_one_is_the_argmax_and_temperature_sharpens():
+    logits = torch.randn(64, 80, generator=torch.Generator().manual_seed(1))
+    torch.manual_seed(0)
+    assert torch.equal(sample_next_token(logits, 70, top_k=1), logits[:, :70].argmax(-1, keepdim=True))
+    # At temperature 0.05 the likeliest token wins almost always; at 1 often not.
+    row = logits[:1].expand(2_000, -1)
+    argmax = logits[0, :70].argmax()
+    sharp = (sample_next_token(row, 70, temperature=0.05) == argmax).float().mean()
+    flat = (sample_next_token(row, 70, temperature=1.0) == argmax).float().mean()
+    assert sharp > 0.9 > 0.5 > flat
+
+
+def test_the_compiled_step_writes_the_cache_in_place(tmp_path):
+    # Inductor on the CPU, odd shapes so that one layer's cache has a size no other tensor has
+    # (3 * 2 * 37 * 16 = 3552 elements). Had the cache been one (n_layer, ...) tensor of which
+    # each layer writes a view, functionalization would copy every layer's cache into a temporary
+    # (a loop over 3552 elements), write the token there and copy it all back: per token, the
+    # whole cache read and written twice, which made the compiled batch-32 step slower than the
+    # uncompiled one on the GPU.
+    from torch._inductor.utils import run_and_get_code
+    torch._dynamo.reset()
+    torch.manual_seed(0)
+    gpt = GPT(GPTConfig(block_size=37, vocab_size=64, n_layer=2, n_head=2, n_embd=32, attn="eager")).eval()
+    cache = gpt.new_cache(3)
+    token, pos = torch.randint(0, 64, (3, 1)), torch.tensor([5])
+    step = torch.compile(gpt.decode_step, backend="inductor", fullgraph=True, dynamic=False)
+    with torch.no_grad():
+        expected_logits = gpt.decode_step(token, pos, gpt.new_cache(3))
+        logits, (code,) = run_and_get_code(step, token, pos, cache)
+    torch.testing.assert_close(logits, expected_logits)
+    k, v = cache.layers[1]
+    assert k[:, :, 5].abs().sum() > 0 and k[:, :, 6:].abs().sum() == 0 and v[:, :, :5].abs().sum() == 0
+    assert "3552" not in code
 
 
 def test_the_decode_step_compiles_once_across_tokens_refills_and_generate_calls():
@@ -150,9 +223,52 @@ def test_a_cuda_graph_decode_draws_the_tokens_of_the_uncaptured_one(attn):
         expected_tokens = uncaptured_greedy(gpt, tokens, 20)
     assert all(len(set(row[5:].tolist())) > 10 for row in expected_tokens)
     # Captured uncompiled, then compiled; each twice: the first records the graph, the second
-    # refills the same cache and replays it.
+    # refills the same cache and replays the same graph, sampling included.
     for compiled in (False, True):
         if compiled:
             gpt.compile_decode_step()
-        for _ in range(2):
-            assert torch.equal(gpt.generate(tokens, max_new_tokens=20, top_k=1), expected_tokens)
+        assert torch.equal(gpt.generate(tokens, max_new_tokens=20, top_k=1), expected_tokens)
+        decoder, graph = gpt.generate_decoder, gpt.generate_decoder.graph
+        assert graph is not None
+        assert torch.equal(gpt.generate(tokens, max_new_tokens=20, top_k=1), expected_tokens)
+        assert gpt.generate_decoder is decoder and decoder.graph is graph
+
+
+def uncaptured_sampled(gpt, tokens, max_new_tokens, temperature, top_k):
+    """uncaptured_greedy, sampled with sample_next_token, eager, step by step."""
+    cache = gpt.new_cache(tokens.size(0))
+    logits, _ = gpt(tokens, cache=cache)
+    for _ in range(max_new_tokens):
+        next_token = sample_next_token(logits[:, -1, :], gpt.config.vocab_size, temperature, top_k)
+        tokens = torch.cat((tokens, next_token), dim=1)
+        logits = gpt.decode_step(next_token, torch.tensor([cache.length], device=tokens.device), cache)
+        cache.length += 1
+    return tokens
+
+
+@pytest.mark.gpu
+def test_a_cuda_graph_draws_the_sampled_tokens_of_the_uncaptured_decode_for_one_seed():
+    # A replay advances the CUDA generator as the eager step does (the capture's warm-up runs on
+    # a forked generator): one seed draws the same tokens captured or not, and the same again on
+    # the graph's second use.
+    torch.manual_seed(0)
+    gpt = GPT(GPTConfig(block_size=32, n_layer=2, n_head=2, n_embd=64, attn="sdpa")).cuda().eval()
+    tokens = prompt(batch=3).cuda()
+    with torch.no_grad():
+        torch.manual_seed(5)
+        expected_tokens = uncaptured_sampled(gpt, tokens, 20, temperature=1.0, top_k=50)
+    assert all(len(set(row[5:].tolist())) > 10 for row in expected_tokens)
+    for _ in range(2):
+        torch.manual_seed(5)
+        assert torch.equal(gpt.generate(tokens, max_new_tokens=20, temperature=1.0, top_k=50), expected_tokens)
+
+
+@pytest.mark.gpu
+def test_a_cuda_graph_captured_at_the_last_position_of_the_cache():
+    # A 15-token prompt leaves room for one decode step (block_size=16): the capture and its
+    # warm-up happen at the last position, and must not step past the cache; then the refills.
+    gpt = context_sensitive_gpt("sdpa").cuda()
+    tokens = prompt(length=15).cuda()
+    expected_tokens = gpt.generate(tokens, max_new_tokens=6, top_k=1, kv_cache=False)
+    assert torch.equal(gpt.generate(tokens, max_new_tokens=6, top_k=1), expected_tokens)
+    assert len(set(expected_tokens[0, 15:].tolist())) > 3
