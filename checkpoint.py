@@ -11,8 +11,10 @@ Checkpoints hold only tensors and plain Python values, so they load with
 torch.load(weights_only=True), which cannot run code hidden in a tampered file.
 """
 import os
+import random
 import shutil
 
+import numpy as np
 import torch
 
 CHECKPOINT_NAME = "ckpt.pt"
@@ -88,3 +90,44 @@ def load_checkpoint(out_dir):
 def short_repr(value, limit=60):
     text = repr(value)
     return text if len(text) <= limit else text[:limit] + "..."
+
+
+# The GPTConfig fields that fix the weights' shapes: a checkpoint resumes only into a model
+# that agrees on all of them (dropout and attn may change between runs).
+SHAPE_KEYS = ("n_layer", "n_head", "n_embd", "block_size", "bias", "vocab_size")
+
+
+def check_same_shape(saved_args, model_args, path):
+    """Raise a CheckpointError naming every shape field where the checkpoint's model
+    (saved_args, a dict) and this run's (model_args, a GPTConfig) differ."""
+    differences = [f"{key}={saved_args.get(key)!r} there, {getattr(model_args, key)!r} here"
+                   for key in SHAPE_KEYS if saved_args.get(key) != getattr(model_args, key)]
+    if differences:
+        raise CheckpointError(f"{path} holds a model of a different shape ({'; '.join(differences)}). "
+                              "Resume with the config it was trained with, or train from scratch in another out_dir")
+
+
+def rng_states(sampler, device):
+    """Every random stream a training step reads, so a resumed run draws the same numbers.
+    Plain values and CPU tensors only, so the checkpoint loads with weights_only=True."""
+    np_name, np_key, np_pos, np_has_gauss, np_gauss = np.random.get_state()
+    return {
+        "torch": torch.get_rng_state(),  # dropout on the CPU
+        # Dropout on this process's GPU; only its own, as asking for every GPU's state would
+        # start a CUDA context on each of them from every process.
+        "cuda": torch.cuda.get_rng_state(device) if device.type == "cuda" else None,
+        "numpy": (np_name, torch.from_numpy(np_key.astype(np.int64)), np_pos, np_has_gauss, np_gauss),
+        "python": random.getstate(),
+        "sampler": sampler.get_state(),  # which training windows come next
+    }
+
+
+def restore_rng_states(states, sampler, device):
+    """Set every stream back to what rng_states saved."""
+    torch.set_rng_state(states["torch"])
+    if states["cuda"] is not None and device.type == "cuda":
+        torch.cuda.set_rng_state(states["cuda"], device)
+    np_name, np_key, np_pos, np_has_gauss, np_gauss = states["numpy"]
+    np.random.set_state((np_name, np_key.numpy().astype(np.uint32), np_pos, np_has_gauss, np_gauss))
+    random.setstate(states["python"])
+    sampler.set_state(states["sampler"])

@@ -33,14 +33,15 @@ import sys
 import tempfile
 import threading
 import time
-from dataclasses import asdict, replace
+from dataclasses import asdict, dataclass, replace
 from pathlib import Path
 
 import numpy as np
 import torch
 from torch.nn.parallel import DistributedDataParallel
 
-from checkpoint import CHECKPOINT_NAME, CheckpointError, checkpoint_path, load_checkpoint, save_checkpoint
+from checkpoint import (CHECKPOINT_NAME, CheckpointError, check_same_shape, checkpoint_path, load_checkpoint,
+                        restore_rng_states, rng_states, save_checkpoint)
 from configurator import EXIT_BAD_CONFIG, ConfigError, config_files, parse_config
 from data.batches import Batches, DataError, is_prepared
 from data.shakespeare.prepare import PrepareError, prepare
@@ -55,7 +56,6 @@ from train_config import TrainConfig, check_config
 
 
 EXIT_ERROR = 1
-SHAPE_KEYS = ("n_layer", "n_head", "n_embd", "block_size", "bias", "vocab_size")
 # The first steps of every process pay for torch.compile, Triton autotuning and the CUDA
 # allocator filling its caches. They are logged apart (warmup: true) and left out of the
 # steady-state step time.
@@ -69,6 +69,32 @@ CPU_FLOP_PER_ITER_WARNING = 1e11
 
 class TrainingError(RuntimeError):
     pass
+
+
+@dataclass
+class TrainState:
+    """Where training stands, advanced by the loop; checkpoints store iter_num and best_val_loss."""
+    iter_num: int = 0  # optimizer steps taken
+    best_val_loss: float = math.inf
+    last_saved_iter: int | None = None  # the iteration ckpt.pt holds; None until a save or a resume
+
+
+@dataclass
+class Training:
+    """What run builds before its loop, read by the loop's parts; TrainState is what changes."""
+    config: TrainConfig
+    world: World
+    device: torch.device
+    amp: contextlib.AbstractContextManager  # autocast to the run's dtype (nothing in float32)
+    batches: Batches
+    sampler: torch.Generator  # which training windows come next; checkpoints store its state
+    model_args: GPTConfig
+    raw_model: GPT  # the plain module: checkpoints hold its state dict
+    model: torch.nn.Module  # raw_model, compiled when config.compile: rank 0 evaluates it on its own
+    train_model: torch.nn.Module  # model, in DDP under torchrun, which averages gradients across processes
+    optimizer: torch.optim.Optimizer
+    scaler: torch.amp.GradScaler
+    wandb_run: object  # the wandb run rank 0 logs to, or None
 
 
 def learning_rate_at(it, config):
@@ -102,30 +128,6 @@ def load_data(config, device, world):
     return Batches(config.data_dir, config.block_size, config.batch_size, device)
 
 
-def rng_states(sampler, device):
-    """Every random stream a training step reads, so a resumed run draws the same numbers."""
-    np_name, np_key, np_pos, np_has_gauss, np_gauss = np.random.get_state()
-    return {
-        "torch": torch.get_rng_state(),  # dropout on the CPU
-        # Dropout on this process's GPU; only its own, as asking for every GPU's state would
-        # start a CUDA context on each of them from every process.
-        "cuda": torch.cuda.get_rng_state(device) if device.type == "cuda" else None,
-        "numpy": (np_name, torch.from_numpy(np_key.astype(np.int64)), np_pos, np_has_gauss, np_gauss),
-        "python": random.getstate(),
-        "sampler": sampler.get_state(),  # which training windows come next
-    }
-
-
-def restore_rng_states(states, sampler, device):
-    torch.set_rng_state(states["torch"])
-    if states["cuda"] is not None and device.type == "cuda":
-        torch.cuda.set_rng_state(states["cuda"], device)
-    np_name, np_key, np_pos, np_has_gauss, np_gauss = states["numpy"]
-    np.random.set_state((np_name, np_key.numpy().astype(np.uint32), np_pos, np_has_gauss, np_gauss))
-    random.setstate(states["python"])
-    sampler.set_state(states["sampler"])
-
-
 def check_out_dir(config):
     """Raise ConfigError unless out_dir is a folder this process can write (made here if
     missing), and unless a run from scratch would replace no run there (a checkpoint, or
@@ -150,12 +152,104 @@ def check_out_dir(config):
                           "or pick another out_dir")
 
 
-def check_same_shape(saved_args, model_args, path):
-    differences = [f"{key}={saved_args.get(key)!r} there, {getattr(model_args, key)!r} here"
-                   for key in SHAPE_KEYS if saved_args.get(key) != getattr(model_args, key)]
-    if differences:
-        raise CheckpointError(f"{path} holds a model of a different shape ({'; '.join(differences)}). "
-                              "Resume with the config it was trained with, or train from scratch in another out_dir")
+def start_device(config, world):
+    """This process's device, its dtype and the autocast context for the forward pass."""
+    device = world.start(pick_device(config.device))
+    dtype = pick_dtype(config.dtype, device)
+    amp = autocast(device, dtype)
+    if config.max_memory_gb:
+        card_gb = cap_memory(device, config.max_memory_gb)
+        if world.is_main:
+            print(f"CUDA memory capped at {config.max_memory_gb:g} GiB (the card has {card_gb:.1f} GiB)")
+    return device, dtype, amp
+
+
+def build_model(config, vocab_size, device, dtype):
+    """A freshly initialised model on `device`, with its optimizer and gradient scaler."""
+    model_args = GPTConfig(block_size=config.block_size, vocab_size=vocab_size, n_layer=config.n_layer,
+                           n_head=config.n_head, n_embd=config.n_embd, dropout=config.dropout, bias=config.bias,
+                           attn=config.attn)
+    model = GPT(model_args).to(device)
+    optimizer = model.configure_optimizers(config.weight_decay, config.learning_rate,
+                                           (config.beta1, config.beta2), device.type)
+    # fp16 gradients underflow without loss scaling; bf16 and fp32 have the range to go without.
+    scaler = torch.amp.GradScaler(device.type, enabled=dtype == torch.float16)
+    return model_args, model, optimizer, scaler
+
+
+def resume(config, world, device, sampler, model_args, model, optimizer, scaler):
+    """Load out_dir's checkpoint into the model, optimizer, scaler and this process's random
+    streams (before compiling and DDP wrap the model); return the TrainState it was saved at
+    and the wandb run it logged to."""
+    ckpt_path = checkpoint_path(config.out_dir)
+    # Loaded to the CPU: RNG states must stay CPU tensors, and load_state_dict moves
+    # weights and optimizer state to the model's device itself.
+    ckpt = load_checkpoint(config.out_dir)
+    check_same_shape(ckpt["model_args"], model_args, ckpt_path)
+    try:
+        model.load_state_dict(ckpt["model"])
+        optimizer.load_state_dict(ckpt["optimizer"])
+        scaler.load_state_dict(ckpt["scaler"])
+        saved_rng = ckpt["rng"]  # one entry per process of the run that saved it
+        if world.rank < len(saved_rng):
+            restore_rng_states(saved_rng[world.rank], sampler, device)
+    except (KeyError, RuntimeError, TypeError, ValueError) as e:
+        raise CheckpointError(f"{ckpt_path} does not fit this model and optimizer: {e}") from None
+    state = TrainState(iter_num=ckpt["iter"], best_val_loss=ckpt["best_val_loss"], last_saved_iter=ckpt["iter"])
+    if world.is_main:
+        print(f"resuming from {ckpt_path} at iter {state.iter_num} (best val loss {state.best_val_loss:.4f})")
+        if len(saved_rng) != world.size:
+            print(f"the checkpoint was saved by {len(saved_rng)} processes and this run has {world.size}: "
+                  "the batches from here on differ from those of an uninterrupted run")
+    return state, ckpt.get("wandb_run_id")  # checkpoints from before wandb resumed have none
+
+
+def tokens_per_iter(config):
+    """Tokens one optimizer step trains on, over all processes together."""
+    return config.batch_size * config.block_size * config.gradient_accumulation_steps
+
+
+def start_wandb(config, run_config, run_id):
+    """A wandb run for this training run, or None when wandb cannot be imported: then a
+    one-line warning, and training goes on with the local metrics. run_id: the wandb run a
+    resumed training run continues (saved in its checkpoint), or None for a new one."""
+    try:
+        import wandb
+    except ImportError:
+        print(f"warning: wandb_log=True but wandb cannot be imported (pip install wandb); "
+              f"logging to {config.out_dir}/metrics.jsonl only", file=sys.stderr)
+        return None
+    # dir=out_dir puts the run folder (out_dir/wandb/) beside the run's other files; with
+    # WANDB_MODE=offline it stays there until `wandb sync` uploads it.
+    try:
+        return wandb.init(project=config.wandb_project, name=config.wandb_run_name, config=run_config,
+                          dir=config.out_dir, id=run_id, resume="allow" if run_id else None)
+    except wandb.errors.UsageError as e:  # no API key (online, and no terminal to ask for one)
+        raise ConfigError(f"wandb_log=True but wandb cannot start a run ({e}). Run `wandb login` once, or set "
+                          "WANDB_MODE=offline to keep the run in out_dir/wandb for a later `wandb sync`") from None
+
+
+def start_out_dir(config, state, run_config):
+    """Rank 0 makes out_dir this run's: metrics past the resumed iteration, an old profile and
+    (from scratch) an old checkpoint go, and config.json describes this run."""
+    ckpt_path = checkpoint_path(config.out_dir)
+    if config.init_from == "scratch" and os.path.exists(ckpt_path):
+        os.remove(ckpt_path)  # overwrite=True (check_out_dir): the old run's checkpoint goes with its metrics
+    reset_metrics(config.out_dir, keep_through_iter=state.iter_num if config.init_from == "resume" else None)
+    remove_profile(config.out_dir)
+    write_run_config(config.out_dir, run_config)
+
+
+def print_run_summary(config, world, device, raw_model, run_config):
+    """What this run trains, where; and a warning when a config sized for a GPU runs on the CPU."""
+    processes = f" over {world.size} processes" if world.distributed else ""
+    print(f"{raw_model.num_params() / 1e6:.2f}M parameters, attn={config.attn}, device={device}, "
+          f"dtype={run_config['dtype']}, {tokens_per_iter(config):,} tokens per iteration{processes}")
+    flop_per_iter = raw_model.flops_per_token() * tokens_per_iter(config)
+    if device.type == "cpu" and flop_per_iter > CPU_FLOP_PER_ITER_WARNING:
+        print(f"warning: this config is sized for a GPU ({flop_per_iter / 1e12:.1f} TFLOP per iteration) and runs "
+              f"on the CPU, where each iteration and evaluation batch may take minutes; configs/tiny.py is sized "
+              f"for a CPU (python train.py configs/tiny.py)", file=sys.stderr)
 
 
 class StopSignals:
@@ -253,7 +347,7 @@ def batch_loss(model, x, y, config, amp):
     return loss.item()
 
 
-def train_step(model, optimizer, scaler, batches, sampler, config, amp, device, world):
+def train_step(training):
     """One optimizer step; returns the mean loss over the micro-batches of every process.
 
     Each process runs gradient_accumulation_steps / world.size micro-batches. DDP averages
@@ -268,10 +362,12 @@ def train_step(model, optimizer, scaler, batches, sampler, config, amp, device, 
     prefetched across steps, so the sampler's state at a step boundary is exactly what a
     checkpoint stores.
     """
+    config, world = training.config, training.world
+    model, optimizer, scaler = training.train_model, training.optimizer, training.scaler
     micro_steps = config.gradient_accumulation_steps // world.size
-    loss_sum = torch.zeros((), device=device)
+    loss_sum = torch.zeros((), device=training.device)
     for micro_step in range(micro_steps):
-        x, y = batches.get("train", sampler)
+        x, y = training.batches.get("train", training.sampler)
         accumulate_only = world.distributed and micro_step < micro_steps - 1
         if config.compile:
             # Under CUDA graphs (compile_mode reduce-overhead, max-autotune) each replay reuses the
@@ -279,7 +375,7 @@ def train_step(model, optimizer, scaler, batches, sampler, config, amp, device, 
             # them (its loss was read, its backward ran), so the replay may overwrite them.
             torch.compiler.cudagraph_mark_step_begin()
         with model.no_sync() if accumulate_only else contextlib.nullcontext():
-            with amp:
+            with training.amp:
                 _, loss = model(x, y)
             loss_sum += loss.detach()
             scaler.scale(loss / micro_steps).backward()
@@ -295,77 +391,143 @@ def train_step(model, optimizer, scaler, batches, sampler, config, amp, device, 
     return mean_loss
 
 
-def start_wandb(config, run_config, run_id):
-    """A wandb run for this training run, or None when wandb cannot be imported: then a
-    one-line warning, and training goes on with the local metrics. run_id: the wandb run a
-    resumed training run continues (saved in its checkpoint), or None for a new one."""
-    try:
-        import wandb
-    except ImportError:
-        print(f"warning: wandb_log=True but wandb cannot be imported (pip install wandb); "
-              f"logging to {config.out_dir}/metrics.jsonl only", file=sys.stderr)
-        return None
-    # dir=out_dir puts the run folder (out_dir/wandb/) beside the run's other files; with
-    # WANDB_MODE=offline it stays there until `wandb sync` uploads it.
-    try:
-        return wandb.init(project=config.wandb_project, name=config.wandb_run_name, config=run_config,
-                          dir=config.out_dir, id=run_id, resume="allow" if run_id else None)
-    except wandb.errors.UsageError as e:  # no API key (online, and no terminal to ask for one)
-        raise ConfigError(f"wandb_log=True but wandb cannot start a run ({e}). Run `wandb login` once, or set "
-                          "WANDB_MODE=offline to keep the run in out_dir/wandb for a later `wandb sync`") from None
+def log(training, record):
+    """A record to out_dir/metrics.jsonl and, with wandb_log=True, to wandb."""
+    append_metrics(training.config.out_dir, record)
+    if training.wandb_run is not None:
+        training.wandb_run.log({key: value for key, value in record.items() if key != "iter"}, step=record["iter"])
+
+
+def save(training, state, rng):
+    """A checkpoint of this iteration. rng: every process's random streams (world.gather)."""
+    save_checkpoint({
+        "model": training.raw_model.state_dict(),
+        "optimizer": training.optimizer.state_dict(),
+        "scaler": training.scaler.state_dict(),
+        "model_args": asdict(training.model_args),
+        "config": asdict(training.config),
+        "iter": state.iter_num,
+        "best_val_loss": state.best_val_loss,
+        "rng": rng,
+        "wandb_run_id": training.wandb_run.id if training.wandb_run is not None else None,
+        "gpt2_ids": training.batches.gpt2_ids,  # the model's token ids -> GPT-2's, for sample.py to decode
+    }, training.config.out_dir)
+    state.last_saved_iter = state.iter_num
+
+
+def non_finite_error(what, value, state, out_dir):
+    """The error that stops a run whose loss is NaN or inf, saying which checkpoint is left."""
+    kept = (f"{checkpoint_path(out_dir)} still holds iter {state.last_saved_iter}, the last good checkpoint"
+            if state.last_saved_iter is not None else "no checkpoint was saved")
+    return TrainingError(f"{what} is {value} at iter {state.iter_num}; stopped without saving ({kept}). "
+                         "A lower learning_rate or a smaller grad_clip may help")
+
+
+def evaluate(training, state, stop):
+    """Every process hands rank 0 its random streams for the checkpoint; rank 0 evaluates,
+    logs and saves while the others wait at the next iteration. An evaluation a signal cuts
+    short logs and saves nothing: the loop saves this iteration's state and stops."""
+    config, world = training.config, training.world
+    rng = world.gather(rng_states(training.sampler, training.device))
+    losses = (estimate_loss(training.model, training.batches, config, training.amp, stop, state.iter_num)
+              if world.is_main else {})
+    stopped = losses is None
+    losses = losses or {}
+    if losses:
+        val_bpc = bits_per_char(losses["val"], training.batches.tokens_per_char["val"])
+        print(f"iter {state.iter_num}: train loss {losses['train']:.4f}, val loss {losses['val']:.4f} "
+              f"({val_bpc:.3f} bits/char)")
+    non_finite = [split for split, loss in losses.items() if not math.isfinite(loss)]
+    if world.max(len(non_finite)):  # all processes stop together, with rank 0's message
+        if not world.is_main:
+            raise TrainingError(f"rank 0's evaluation at iter {state.iter_num} was not finite")
+        raise non_finite_error(f"{non_finite[0]} loss", losses[non_finite[0]], state, config.out_dir)
+    if not world.is_main or stopped:
+        return
+    log(training, {"iter": state.iter_num, "train_loss": losses["train"], "val_loss": losses["val"],
+                   "val_bpc": val_bpc})
+    improved = losses["val"] < state.best_val_loss
+    state.best_val_loss = min(state.best_val_loss, losses["val"])
+    if state.iter_num > 0 and (improved or config.always_save_checkpoint):
+        save(training, state, rng)
+
+
+def save_at_signal(training, state, signum):
+    """Rank 0 saves this iteration (unless its checkpoint is on disk already) and says how to
+    continue; every process hands it its random streams first."""
+    world, name = training.world, signal.Signals(signum).name
+    rng = world.gather(rng_states(training.sampler, training.device))
+    if not world.is_main:
+        return
+    if state.last_saved_iter != state.iter_num:
+        # The last step's update has not been through a loss yet (a diverging step gives a
+        # finite loss, then weights that do not): checked first, so that a signal never saves
+        # them over the last good checkpoint.
+        loss = one_batch_loss(training.model, training.batches, training.config, training.amp)
+        if not math.isfinite(loss):
+            raise non_finite_error(f"{name}: the loss of the weights to save", loss, state, training.config.out_dir)
+        save(training, state, rng)
+    print(f"stopped by {name} at iter {state.iter_num}; checkpoint saved in "
+          f"{checkpoint_path(training.config.out_dir)}. To continue, run the same command with --init_from=resume")
+
+
+def log_progress(training, iter_num, loss, lr, seconds_per_step, warmup):
+    """Rank 0 prints and logs the last step's loss and learning rate, and the steps' mean time
+    since the last record, with the throughput and memory that follow from it."""
+    device = training.device
+    step_ms = 1000 * seconds_per_step
+    tokens_per_s = tokens_per_iter(training.config) / seconds_per_step
+    card_peak = peak_flops(device)
+    mfu = training.raw_model.flops_per_token() * tokens_per_s / (card_peak * training.world.size) if card_peak else None
+    peak_mem = peak_memory_mb(device)
+    print(f"iter {iter_num}: loss {loss:.4f}, lr {lr:.2e}, {step_ms:.1f} ms/iter, {tokens_per_s:,.0f} tok/s, "
+          f"mfu {'n/a' if mfu is None else f'{100 * mfu:.1f}%'}, "
+          f"peak mem {'n/a' if peak_mem is None else f'{peak_mem:,.0f} MB'}"
+          f"{' (warm-up)' if warmup else ''}")
+    log(training, {"iter": iter_num, "loss": loss, "lr": lr, "step_ms": step_ms, "tokens_per_s": tokens_per_s,
+                   "mfu": mfu, "peak_mem_mb": peak_mem, "warmup": warmup})
+
+
+def save_profile(training, result):
+    """The profiler's category times, with the memory numbers torch can tell."""
+    config = training.config
+    x, y = training.batches.get("train", torch.Generator().manual_seed(config.seed))
+    result.update(attn=config.attn, compile=config.compile, peak_mem_mb=peak_memory_mb(training.device),
+                  attention_saved_mb=attention_saved_mb(training.raw_model, x, y, training.amp))
+    write_profile(config.out_dir, result)
+    print(f"profiled {result['steps']} steps: {result['step_ms']:.1f} ms/step, "
+          + ", ".join(f"{category} {ms:.2f}" for category, ms in result["ms"].items())
+          + f" (ms, {'GPU kernels' if result['device'] == 'cuda' else 'CPU ops'}); "
+          f"{os.path.join(config.out_dir, PROFILE_NAME)}")
+
+
+def finish(training, profiler, status):
+    """Stop the profiler (warning when the run ended before its steps) and close the wandb
+    run with the exit status."""
+    if profiler is not None:
+        profiler.stop()
+        if not os.path.exists(os.path.join(training.config.out_dir, PROFILE_NAME)):
+            print(f"warning: profile=True but the run stopped before its steps {TIMING_WARMUP_STEPS + 2}-"
+                  f"{TIMING_WARMUP_STEPS + 1 + PROFILE_STEPS} were profiled: nothing written", file=sys.stderr)
+    if training.wandb_run is not None:
+        training.wandb_run.finish(exit_code=status)
 
 
 def run(config, world):
     """Train; return the process exit status (0, or 128 + signal number when stopped)."""
-    device = world.start(pick_device(config.device))
-    dtype = pick_dtype(config.dtype, device)
-    amp = autocast(device, dtype)
-    if config.max_memory_gb:
-        card_gb = cap_memory(device, config.max_memory_gb)
-        if world.is_main:
-            print(f"CUDA memory capped at {config.max_memory_gb:g} GiB (the card has {card_gb:.1f} GiB)")
+    device, dtype, amp = start_device(config, world)
     # Each process seeds its own streams, so dropout and batches differ between processes
     # (DDP copies rank 0's initial weights to the others). A plain run is rank 0.
     seed = config.seed + world.rank
     torch.manual_seed(seed)
     np.random.seed(seed)
     random.seed(seed)
-    ckpt_path = checkpoint_path(config.out_dir)
-
     batches = load_data(config, device, world)
-    model_args = GPTConfig(block_size=config.block_size, vocab_size=batches.vocab_size, n_layer=config.n_layer,
-                           n_head=config.n_head, n_embd=config.n_embd, dropout=config.dropout, bias=config.bias,
-                           attn=config.attn)
-    model = GPT(model_args).to(device)
-    optimizer = model.configure_optimizers(config.weight_decay, config.learning_rate,
-                                           (config.beta1, config.beta2), device.type)
-    # fp16 gradients underflow without loss scaling; bf16 and fp32 have the range to go without.
-    scaler = torch.amp.GradScaler(device.type, enabled=dtype == torch.float16)
+    model_args, model, optimizer, scaler = build_model(config, batches.vocab_size, device, dtype)
     sampler = torch.Generator().manual_seed(seed)
-    it, best_val_loss, last_saved_iter, wandb_run_id = 0, math.inf, None, None
-
+    state, wandb_run_id = TrainState(), None
     if config.init_from == "resume":
-        # Loaded to the CPU: RNG states must stay CPU tensors, and load_state_dict moves
-        # weights and optimizer state to the model's device itself.
-        ckpt = load_checkpoint(config.out_dir)
-        check_same_shape(ckpt["model_args"], model_args, ckpt_path)
-        try:
-            model.load_state_dict(ckpt["model"])
-            optimizer.load_state_dict(ckpt["optimizer"])
-            scaler.load_state_dict(ckpt["scaler"])
-            saved_rng = ckpt["rng"]  # one entry per process of the run that saved it
-            if world.rank < len(saved_rng):
-                restore_rng_states(saved_rng[world.rank], sampler, device)
-        except (KeyError, RuntimeError, TypeError, ValueError) as e:
-            raise CheckpointError(f"{ckpt_path} does not fit this model and optimizer: {e}") from None
-        it, best_val_loss, last_saved_iter = ckpt["iter"], ckpt["best_val_loss"], ckpt["iter"]
-        if world.is_main:
-            print(f"resuming from {ckpt_path} at iter {it} (best val loss {best_val_loss:.4f})")
-            if len(saved_rng) != world.size:
-                print(f"the checkpoint was saved by {len(saved_rng)} processes and this run has {world.size}: "
-                      "the batches from here on differ from those of an uninterrupted run")
-        wandb_run_id = ckpt.get("wandb_run_id")  # checkpoints from before wandb resumed have none
-        del ckpt
+        state, wandb_run_id = resume(config, world, device, sampler, model_args, model, optimizer, scaler)
 
     raw_model = model
     if config.compile:
@@ -375,95 +537,22 @@ def run(config, world):
     train_model = model
     if world.distributed:
         train_model = DistributedDataParallel(model, device_ids=[device.index] if device.type == "cuda" else None)
-    tokens_per_iter = config.batch_size * config.block_size * config.gradient_accumulation_steps  # all processes
-    flops_per_token = raw_model.flops_per_token()
-    card_peak = peak_flops(device)
     run_config = {**asdict(config), "device": str(device), "dtype": str(dtype).removeprefix("torch."),
                   "gpu": torch.cuda.get_device_name(device) if device.type == "cuda" else None,
-                  "world_size": world.size, "n_params": raw_model.num_params(), "tokens_per_iter": tokens_per_iter}
+                  "world_size": world.size, "n_params": raw_model.num_params(),
+                  "tokens_per_iter": tokens_per_iter(config)}
     # Before anything is written to out_dir, so a missing wandb login changes nothing there.
     wandb_run = start_wandb(config, run_config, wandb_run_id) if config.wandb_log and world.is_main else None
     if world.is_main:
-        if config.init_from == "scratch" and os.path.exists(ckpt_path):
-            os.remove(ckpt_path)  # overwrite=True (check_out_dir): the old run's checkpoint goes with its metrics
-        reset_metrics(config.out_dir, keep_through_iter=it if config.init_from == "resume" else None)
-        remove_profile(config.out_dir)
-        write_run_config(config.out_dir, run_config)
-        processes = f" over {world.size} processes" if world.distributed else ""
-        print(f"{raw_model.num_params() / 1e6:.2f}M parameters, attn={config.attn}, device={device}, "
-              f"dtype={run_config['dtype']}, {tokens_per_iter:,} tokens per iteration{processes}")
-        flop_per_iter = flops_per_token * tokens_per_iter
-        if device.type == "cpu" and flop_per_iter > CPU_FLOP_PER_ITER_WARNING:
-            print(f"warning: this config is sized for a GPU ({flop_per_iter / 1e12:.1f} TFLOP per iteration) and runs "
-                  f"on the CPU, where each iteration and evaluation batch may take minutes; configs/tiny.py is sized "
-                  f"for a CPU (python train.py configs/tiny.py)", file=sys.stderr)
-
-    def log(record):
-        append_metrics(config.out_dir, record)
-        if wandb_run is not None:
-            wandb_run.log({key: value for key, value in record.items() if key != "iter"}, step=record["iter"])
-
-    def save(it, rng):
-        nonlocal last_saved_iter
-        save_checkpoint({
-            "model": raw_model.state_dict(),
-            "optimizer": optimizer.state_dict(),
-            "scaler": scaler.state_dict(),
-            "model_args": asdict(model_args),
-            "config": asdict(config),
-            "iter": it,
-            "best_val_loss": best_val_loss,
-            "rng": rng,
-            "wandb_run_id": wandb_run.id if wandb_run is not None else None,
-            "gpt2_ids": batches.gpt2_ids,  # the model's token ids -> GPT-2's, for sample.py to decode
-        }, config.out_dir)
-        last_saved_iter = it
-
-    def stop_for_non_finite(what, value, it):
-        kept = (f"{ckpt_path} still holds iter {last_saved_iter}, the last good checkpoint"
-                if last_saved_iter is not None else "no checkpoint was saved")
-        raise TrainingError(f"{what} is {value} at iter {it}; stopped without saving ({kept}). "
-                            "A lower learning_rate or a smaller grad_clip may help")
-
-    def evaluate(it):
-        """Every process hands rank 0 its random streams for the checkpoint; rank 0 evaluates
-        and saves while the others wait at the next iteration."""
-        nonlocal best_val_loss
-        rng = world.gather(rng_states(sampler, device))
-        losses = estimate_loss(model, batches, config, amp, stop, it) if world.is_main else {}
-        stopped = losses is None  # by a signal: the loop saves this iteration's state and stops
-        losses = losses or {}
-        if losses:
-            val_bpc = bits_per_char(losses["val"], batches.tokens_per_char["val"])
-            print(f"iter {it}: train loss {losses['train']:.4f}, val loss {losses['val']:.4f} "
-                  f"({val_bpc:.3f} bits/char)")
-        non_finite = [split for split, loss in losses.items() if not math.isfinite(loss)]
-        if world.max(len(non_finite)):  # all processes stop together, with rank 0's message
-            if not world.is_main:
-                raise TrainingError(f"rank 0's evaluation at iter {it} was not finite")
-            stop_for_non_finite(f"{non_finite[0]} loss", losses[non_finite[0]], it)
-        if not world.is_main or stopped:
-            return
-        log({"iter": it, "train_loss": losses["train"], "val_loss": losses["val"], "val_bpc": val_bpc})
-        improved = losses["val"] < best_val_loss
-        best_val_loss = min(best_val_loss, losses["val"])
-        if it > 0 and (improved or config.always_save_checkpoint):
-            save(it, rng)
-
-    def save_profile(result):
-        """The profiler's category times, with the memory numbers torch can tell."""
-        x, y = batches.get("train", torch.Generator().manual_seed(config.seed))
-        result.update(attn=config.attn, compile=config.compile, peak_mem_mb=peak_memory_mb(device),
-                      attention_saved_mb=attention_saved_mb(raw_model, x, y, amp))
-        write_profile(config.out_dir, result)
-        print(f"profiled {result['steps']} steps: {result['step_ms']:.1f} ms/step, "
-              + ", ".join(f"{category} {ms:.2f}" for category, ms in result["ms"].items())
-              + f" (ms, {'GPU kernels' if result['device'] == 'cuda' else 'CPU ops'}); "
-              f"{os.path.join(config.out_dir, PROFILE_NAME)}")
+        start_out_dir(config, state, run_config)
+        print_run_summary(config, world, device, raw_model, run_config)
+    training = Training(config=config, world=world, device=device, amp=amp, batches=batches, sampler=sampler,
+                        model_args=model_args, raw_model=raw_model, model=model, train_model=train_model,
+                        optimizer=optimizer, scaler=scaler, wandb_run=wandb_run)
 
     # Profiles the steady steps right after the timing warm-up, then lets training go on; those
     # few steps' logged times include the profiler's overhead.
-    profiler = (step_profiler(config.out_dir, TIMING_WARMUP_STEPS, save_profile)
+    profiler = (step_profiler(config.out_dir, TIMING_WARMUP_STEPS, lambda result: save_profile(training, result))
                 if config.profile and world.is_main else None)
     status = EXIT_ERROR  # what wandb records if an exception ends the run
     try:
@@ -471,33 +560,21 @@ def run(config, world):
             profiler.start()
         stop = StopSignals(announce=world.is_main)
         if config.init_from == "scratch":
-            evaluate(0)
-        warmup_end = it + TIMING_WARMUP_STEPS
+            evaluate(training, state, stop)
+        warmup_end = state.iter_num + TIMING_WARMUP_STEPS
         step_seconds, steps_timed = 0.0, 0
         while True:
             # All processes stop at the same iteration, whichever of them got the signal.
             signum = world.max(stop.received or 0)
             if signum:
-                rng = world.gather(rng_states(sampler, device))
-                if world.is_main:
-                    if last_saved_iter != it:
-                        # The last step's update has not been through a loss yet (a diverging
-                        # step gives a finite loss, then weights that do not): checked first,
-                        # so that a signal never saves them over the last good checkpoint.
-                        loss = one_batch_loss(model, batches, config, amp)
-                        if not math.isfinite(loss):
-                            stop_for_non_finite(f"{signal.Signals(signum).name}: the loss of the weights to save",
-                                                loss, it)
-                        save(it, rng)
-                    print(f"stopped by {signal.Signals(signum).name} at iter {it}; checkpoint saved in {ckpt_path}. "
-                          "To continue, run the same command with --init_from=resume")
+                save_at_signal(training, state, signum)
                 status = 128 + signum
                 return status
-            if it >= config.max_iters:
+            if state.iter_num >= config.max_iters:
                 status = 0
                 return status
 
-            lr = learning_rate_at(it, config)
+            lr = learning_rate_at(state.iter_num, config)
             for group in optimizer.param_groups:
                 group["lr"] = lr
             # The whole optimizer step, from the first batch to the weight update, between two
@@ -505,41 +582,26 @@ def run(config, world):
             # and checkpoints fall outside.
             synchronize(device)
             start = time.perf_counter()
-            loss = train_step(train_model, optimizer, scaler, batches, sampler, config, amp, device, world)
+            loss = train_step(training)
             synchronize(device)
             step_seconds += time.perf_counter() - start
             steps_timed += 1
-            it += 1
+            state.iter_num += 1
             if profiler is not None:
                 profiler.step()
             if not math.isfinite(loss):
-                stop_for_non_finite("training loss", loss, it)
+                raise non_finite_error("training loss", loss, state, config.out_dir)
 
             # A record at the end of the warm-up too, so no record mixes warm-up and steady steps.
-            if it % config.log_interval == 0 or it == warmup_end:
+            if state.iter_num % config.log_interval == 0 or state.iter_num == warmup_end:
                 if world.is_main:
-                    warmup = it <= warmup_end
-                    step_ms = 1000 * step_seconds / steps_timed
-                    tokens_per_s = tokens_per_iter / (step_seconds / steps_timed)
-                    mfu = flops_per_token * tokens_per_s / (card_peak * world.size) if card_peak else None
-                    peak_mem = peak_memory_mb(device)
-                    print(f"iter {it}: loss {loss:.4f}, lr {lr:.2e}, {step_ms:.1f} ms/iter, {tokens_per_s:,.0f} tok/s, "
-                          f"mfu {'n/a' if mfu is None else f'{100 * mfu:.1f}%'}, "
-                          f"peak mem {'n/a' if peak_mem is None else f'{peak_mem:,.0f} MB'}"
-                          f"{' (warm-up)' if warmup else ''}")
-                    log({"iter": it, "loss": loss, "lr": lr, "step_ms": step_ms, "tokens_per_s": tokens_per_s,
-                         "mfu": mfu, "peak_mem_mb": peak_mem, "warmup": warmup})
+                    log_progress(training, state.iter_num, loss, lr, step_seconds / steps_timed,
+                                 warmup=state.iter_num <= warmup_end)
                 step_seconds, steps_timed = 0.0, 0
-            if it % config.eval_interval == 0 or it == config.max_iters:
-                evaluate(it)
+            if state.iter_num % config.eval_interval == 0 or state.iter_num == config.max_iters:
+                evaluate(training, state, stop)
     finally:
-        if profiler is not None:
-            profiler.stop()
-            if not os.path.exists(os.path.join(config.out_dir, PROFILE_NAME)):
-                print(f"warning: profile=True but the run stopped before its steps {TIMING_WARMUP_STEPS + 2}-"
-                      f"{TIMING_WARMUP_STEPS + 1 + PROFILE_STEPS} were profiled: nothing written", file=sys.stderr)
-        if wandb_run is not None:
-            wandb_run.finish(exit_code=status)
+        finish(training, profiler, status)
 
 
 def config_name(argv):
