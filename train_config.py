@@ -30,7 +30,7 @@ class TrainConfig:
     wandb_run_name: str = ""  # the wandb run name; "": "<attn>-<config file name>", e.g. triton-shakespeare
     # data
     data_dir: str = DEFAULT_DATA_DIR  # token files, prepared here if missing; default in the repo, a given path relative to the current dir
-    batch_size: int = 8  # sequences per micro-batch, per process
+    batch_size: int = 4  # sequences per micro-batch, per process
     gradient_accumulation_steps: int = 2  # micro-batches per optimizer step, over all processes
     block_size: int = 512  # context length in tokens
     # model
@@ -42,14 +42,14 @@ class TrainConfig:
     attn: str = choice("eager", BACKENDS)  # the attention backend (attention.BACKENDS)
     # optimizer and schedule: linear warmup, then cosine decay to min_lr at lr_decay_iters
     learning_rate: float = 6e-4  # peak learning rate, reached after warmup_iters
-    max_iters: int = 1200  # optimizer steps to train for
+    max_iters: int = 2000  # optimizer steps to train for
     weight_decay: float = 0.5  # AdamW weight decay, on matrices only
     beta1: float = 0.9  # AdamW beta1
     beta2: float = 0.99  # AdamW beta2
     grad_clip: float = 1.0  # clip the gradient norm to this; 0 turns clipping off
     warmup_iters: int = 100  # linear warmup steps
-    lr_decay_iters: int = 1200  # the cosine decay reaches min_lr here
-    min_lr: float = 6e-5  # the final learning rate
+    lr_decay_iters: int = 2000  # the cosine decay reaches min_lr here
+    min_lr: float = 0.0  # the final learning rate
     # system
     device: str = choice("auto", ("auto", "cpu", "cuda"))  # auto: cuda if torch sees a GPU, else cpu
     dtype: str = choice("auto", ("auto", "float32", "bfloat16", "float16"))  # auto: bf16 autocast on GPUs that have it, else fp16; fp32 on the CPU

@@ -1,11 +1,13 @@
 """Training-step time of the default model, uncompiled and compiled, per backend: `.ci/gpu compile`.
 
     python .ci/compile_steps.py --block_size=1024 [--backends=eager,sdpa,triton] [--modes=none,default,reduce-overhead]
+                                [--tokens=4096]
 
 One process per block size; within it the variants run one after another, backends
 alternating within each mode. The model is train.py's default (TrainConfig) over the dense
-TinyShakespeare vocabulary; batch = the default's tokens per micro-batch / block_size
-sequences, so every micro-batch holds the same tokens whatever the context; the default's
+TinyShakespeare vocabulary; batch = --tokens (by default the default's tokens per micro-batch)
+/ block_size sequences, at least one, so every micro-batch holds the same tokens whatever the
+context (up to --tokens); the default's
 micro-batches a step, bf16 autocast, fused AdamW, CUDA memory capped at 12 GiB (the target
 card). Random tokens: no data needed. For each variant it prints
 the median wall time of 20 synchronised steps (after 5 warm-up steps, which compile) and the
@@ -53,9 +55,9 @@ def gpu_ms_per_step(step, steps=5):
     return kernel_us / 1000 / steps
 
 
-def measure(backend, mode, block_size):
+def measure(backend, mode, block_size, tokens):
     torch.manual_seed(0)
-    batch = TOKENS_PER_MICRO_BATCH // block_size
+    batch = max(1, tokens // block_size)
     model = GPT(GPTConfig(block_size=block_size, vocab_size=VOCAB_SIZE, n_layer=DEFAULT.n_layer, n_head=DEFAULT.n_head,
                           n_embd=DEFAULT.n_embd, dropout=0.0, bias=DEFAULT.bias, attn=backend)).cuda()
     optimizer = model.configure_optimizers(0.1, 1e-4, (0.9, 0.99), "cuda")
@@ -85,15 +87,16 @@ def main():
     parser.add_argument("--block_size", type=int, required=True)
     parser.add_argument("--backends", default="eager,sdpa,triton")
     parser.add_argument("--modes", default="none,default,reduce-overhead")
+    parser.add_argument("--tokens", type=int, default=TOKENS_PER_MICRO_BATCH, help="tokens per micro-batch")
     args = parser.parse_args()
     torch.cuda.set_per_process_memory_fraction(min(1.0, 12 * 2**30 / torch.cuda.get_device_properties(0).total_memory))
-    print(f"block_size {args.block_size}, batch {TOKENS_PER_MICRO_BATCH // args.block_size} x {ACCUMULATION} "
+    print(f"block_size {args.block_size}, batch {max(1, args.tokens // args.block_size)} x {ACCUMULATION} "
           f"micro-batches, bf16, {torch.cuda.get_device_name()}")
     print(f"{'backend':<10} {'compile':<16} {'wall ms/step':>12} {'GPU ms/step':>12} {'warm-up s':>10}")
     for mode in args.modes.split(","):
         for backend in args.backends.split(","):
             try:
-                wall, gpu, warmup = measure(backend, mode, args.block_size)
+                wall, gpu, warmup = measure(backend, mode, args.block_size, args.tokens)
                 print(f"{backend:<10} {mode:<16} {wall:>12.2f} {gpu:>12.2f} {warmup:>10.1f}")
             except torch.OutOfMemoryError:
                 print(f"{backend:<10} {mode:<16} {'out of memory under 12 GiB':>36}")

@@ -25,17 +25,17 @@ dropout = 0.35
 bias = False
 weight_decay = 0.5
 
-# 8 x 512 tokens per micro-batch, two micro-batches: 8,192 tokens per optimizer step. On this
+# 4 x 512 tokens per micro-batch, two micro-batches: 4,096 tokens per optimizer step. On this
 # small corpus more, smaller steps generalised better than fewer large ones (.ci/gpu recipe;
 # docs/benchmarks.md has the candidates and their val losses).
-batch_size = 8
+batch_size = 4
 gradient_accumulation_steps = 2
 
-# The schedule ends where val loss stops improving, so the last checkpoint is near the best:
-# a longer run only memorises the training text.
+# The learning rate decays to zero where val loss stops improving, so it flattens rather than
+# climbs at the end and the last checkpoint is near the best: a longer run only memorises.
 learning_rate = 6e-4
-max_iters = 1200
-lr_decay_iters = 1200
-min_lr = 6e-5
+max_iters = 2000
+lr_decay_iters = 2000
+min_lr = 0.0
 warmup_iters = 100
 beta2 = 0.99
