@@ -34,7 +34,7 @@ from attention.triton_launch import shared_memory_bytes, shared_memory_limit
 from attention.triton_forward import FORWARD_CONFIGS, flash_forward, forward_smem_rows
 from data.shakespeare.prepare import SHAKESPEARE_VOCAB_SIZE
 from model import GPT, GPTConfig
-from train_config import TrainConfig
+from training.train_config import TrainConfig
 
 import triton  # noqa: E402, I001  (after attention, which decides whether Triton interprets)
 

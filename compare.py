@@ -21,7 +21,7 @@ max_iters / 5) unless --log_interval or --eval_interval say otherwise. Writes to
                            memory, and how far each loss curve strays from eager's
   profile.png              with --profile=True, each run's step split into attention forward
                            and backward, matmuls, output layer + loss, optimizer, the rest and
-                           idle time (profiling.py), as stacked bars; compare.md gets the table
+                           idle time (training/profiling.py), as stacked bars; compare.md gets the table
                            and the memory torch can tell (peak, attention's saved tensors)
   sweep/T<n>/<backend>/    with --sweep_block_size, the runs at each context length n ...
   sweep.png, sweep.md      ... and their median step time, tokens/s and peak memory, with
@@ -43,6 +43,7 @@ too); 130 interrupted by Ctrl-C (the run in progress saves its checkpoint, as tr
 """
 import os
 import re
+import signal
 import statistics
 import subprocess
 import sys
@@ -54,18 +55,17 @@ from matplotlib.figure import Figure
 from tqdm import tqdm
 
 from attention import BACKENDS
-from configurator import ConfigError, describe, join_overrides, parse_config
-from devices import EXIT_OUT_OF_MEMORY
-from metrics import CONFIG_NAME, METRICS_NAME, read_metrics, read_run_config
-from profiling import CATEGORIES, read_profile
-from train_config import TrainConfig, check_config
+from training.configurator import ConfigError, describe, join_overrides, parse_config
+from training.exit_codes import EXIT_ERROR, EXIT_OUT_OF_MEMORY, exit_status_of_signal
+from training.metrics import CONFIG_NAME, METRICS_NAME, read_metrics, read_run_config
+from training.profiling import CATEGORIES, read_profile
+from training.train_config import TrainConfig, check_config
 
 TRAIN_SCRIPT = os.path.join(os.path.dirname(os.path.abspath(__file__)), "train.py")
 SET_PER_RUN = {"attn": "--backends", "out_dir": "--out"}  # train.py keys compare.py sets itself
 PROGRESS_LINE = re.compile(r"iter (\d+): loss (\S+),")  # train.py's log lines
 REFERENCE = "eager"  # the backend every loss curve is measured against
 COLORS = {backend: f"C{i}" for i, backend in enumerate(BACKENDS)}
-EXIT_RUN_FAILED = 1
 
 
 @dataclass
@@ -340,7 +340,7 @@ def profile_table(profiles):
     return f"""
 ## Where the step goes
 
-torch.profiler over {next(iter(profiles.values()))['steps']} steady-state steps of each run (profiling.py), in
+torch.profiler over {next(iter(profiles.values()))['steps']} steady-state steps of each run (training/profiling.py), in
 ms per optimizer step of {unit} time. Idle is the step's wall time during which the device ran
 nothing: the host had not launched the next work yet. Busy is the step minus idle, and attention's
 share is of busy time. Compiled code is sorted by kernel name where the profiler ranges do not
@@ -426,7 +426,7 @@ def plot_comparison(runs, path, setup, reference):
 
     bar_chart(speed_ax, runs, "tokens_per_s", median_of, "tokens/s (median)", "tokens/s", "{:,.0f}")
     gpu = trained[0].config.get("gpu") if trained else None
-    no_mfu = (f"no MFU: devices.py has no bf16 peak\nfor the {gpu} to divide by." if gpu else
+    no_mfu = (f"no MFU: training/devices.py has no bf16 peak\nfor the {gpu} to divide by." if gpu else
               "no MFU: it is a fraction of a GPU's bf16 peak,\nand these runs trained on the CPU.")
     bar_chart(mfu_ax, runs, "mfu", lambda run, key: median_of(run, key) and 100 * median_of(run, key),
               "MFU (median)", "% of the card's bf16 peak", "{:.1f}%", no_mfu)
@@ -584,7 +584,8 @@ def plot_sweep(results, sizes, path, setup, max_memory_gb):
         ax.set_xscale("log", base=2)
         ax.set_xticks(sizes, [str(size) for size in sizes])
         ax.set_xlabel("context length (block_size)")
-    # Step times span 100x between the fused backends and the tiled loop: a log axis shows both.
+    # Step times differ by orders of magnitude between the fused backends and the tiled loop
+    # (docs/benchmarks.md, "Step time and memory vs context length"): a log axis shows both.
     time_ax.set_yscale("log")
     memory_ax.set_ylim(bottom=0)
     time_ax.set(title="median step time, steady state (x: out of memory)", ylabel="ms (log scale)")
@@ -627,7 +628,7 @@ def main(argv=None):
             write_comparison(runs, config.out, command)
     except KeyboardInterrupt:
         print("compare.py: interrupted", file=sys.stderr)
-        sys.exit(130)
+        sys.exit(exit_status_of_signal(signal.SIGINT))
     written = ["sweep.md", "sweep.png"] if sizes else ["compare.md", "compare.png"]
     if config.profile:
         written.append("profile.png")
@@ -636,7 +637,7 @@ def main(argv=None):
     if failed:
         print(f"error: {len(failed)} of {len(runs)} runs failed ({', '.join(failed)}); the others were compared",
               file=sys.stderr)
-        sys.exit(EXIT_RUN_FAILED)
+        sys.exit(EXIT_ERROR)
 
 
 if __name__ == "__main__":

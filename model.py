@@ -28,7 +28,7 @@ import torch.nn.functional as F
 
 from attention import BACKENDS, attention, decode_attention, packed_attention
 
-# torch.profiler ranges that profiling.py sorts a step's time by.
+# torch.profiler ranges that training/profiling.py sorts a step's time by.
 ATTENTION_RANGE = "attention"
 OUTPUT_RANGE = "output layer + loss"
 

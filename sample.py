@@ -12,7 +12,7 @@ feeds the whole context every step (see GPT.generate); on a GPU the cached one-t
 CUDA graph, replayed per token. --compile=True compiles that step first (GPT.compile_decode_step:
 one Inductor graph inside the CUDA graph; the first tokens wait for the compile). --benchmark=True prints decode
 tokens/s with and without the cache instead of text. Settings are the SampleConfig fields
-below (see configurator.py; `python sample.py --help` lists them).
+below (see training/configurator.py; `python sample.py --help` lists them).
 
 Exit status: 0 done; 1 an error stopped it (no usable checkpoint, an unreadable prompt file,
 no such device); 2 bad configuration (unknown key, wrong type, value not allowed).
@@ -24,12 +24,13 @@ from dataclasses import dataclass, replace
 import torch
 
 from attention import BACKENDS
-from checkpoint import CheckpointError, load_checkpoint
-from configurator import EXIT_BAD_CONFIG, ConfigError, choice, parse_config
 from data.shakespeare.prepare import DenseVocab, PrepareError, load_encoder
-from devices import DeviceError, autocast, pick_device, pick_dtype, synchronize
 from model import GPT, GPTConfig
-from train_config import TrainConfig, check_attn_head_dim
+from training.checkpoint import CheckpointError, load_checkpoint
+from training.configurator import ConfigError, choice, parse_config
+from training.devices import DeviceError, autocast, pick_device, pick_dtype, synchronize
+from training.exit_codes import EXIT_BAD_CONFIG
+from training.train_config import TrainConfig, check_attn_head_dim
 
 
 @dataclass

@@ -5,12 +5,12 @@
     python train.py configs/tiny.py --init_from=resume       # continue from out_dir/ckpt.pt
     torchrun --standalone --nproc_per_node=2 train.py --attn=triton   # data-parallel, 2 GPUs
 
-Settings are the TrainConfig fields of train_config.py: set them in config files and with
---key=value (see configurator.py; `python train.py --help` lists them). Each run writes
+Settings are the TrainConfig fields of training/train_config.py: set them in config files and with
+--key=value (see training/configurator.py; `python train.py --help` lists them). Each run writes
 out_dir/config.json, appends its log lines and evaluations to out_dir/metrics.jsonl (see
-metrics.py), saves out_dir/ckpt.pt at evaluations and, with --wandb_log=True, logs the
+training/metrics.py), saves out_dir/ckpt.pt at evaluations and, with --wandb_log=True, logs the
 same to wandb; --profile=True also writes where a few steady steps' time went
-(out_dir/profile.json, see profiling.py). Under torchrun (see ddp.py) every process trains on batches of its own and
+(out_dir/profile.json, see training/profiling.py). Under torchrun (see training/ddp.py) every process trains on batches of its own and
 rank 0 alone logs, evaluates and saves.
 
 Paths: out_dir, config files and an explicit data_dir are relative to the current
@@ -20,7 +20,7 @@ Exit status:
     0          the run reached max_iters
     1          an error stopped it: bad data, an unusable checkpoint, a non-finite loss
     2          bad configuration (unknown key, wrong type, value not allowed)
-    3          out of memory (devices.EXIT_OUT_OF_MEMORY)
+    3          out of memory
     130, 143   stopped by SIGINT (Ctrl-C) or SIGTERM after saving a checkpoint (128 + signal
                number, the shell's convention for "ended by a signal")
 """
@@ -40,22 +40,22 @@ import numpy as np
 import torch
 from torch.nn.parallel import DistributedDataParallel
 
-from checkpoint import (CHECKPOINT_NAME, CheckpointError, check_same_shape, checkpoint_path, load_checkpoint,
-                        restore_rng_states, rng_states, save_checkpoint)
-from configurator import EXIT_BAD_CONFIG, ConfigError, config_files, parse_config
 from data.batches import Batches, DataError, is_prepared
 from data.shakespeare.prepare import PrepareError, prepare
-from ddp import World
-from devices import (EXIT_OUT_OF_MEMORY, DeviceError, autocast, cap_memory, peak_flops, peak_memory_mb, pick_device,
-                     pick_dtype, synchronize)
-from metrics import METRICS_NAME, append_metrics, reset_metrics, write_run_config
 from model import GPT, GPTConfig, compile_model, labelled
-from profiling import (OPTIMIZER_RANGE, PROFILE_NAME, PROFILE_STEPS, attention_saved_mb, remove_profile, step_profiler,
-                       write_profile)
-from train_config import TrainConfig, check_config
+from training.checkpoint import (CHECKPOINT_NAME, CheckpointError, check_same_shape, checkpoint_path, load_checkpoint,
+                                 restore_rng_states, rng_states, save_checkpoint)
+from training.configurator import ConfigError, config_files, parse_config
+from training.ddp import World
+from training.devices import (DeviceError, autocast, cap_memory, peak_flops, peak_memory_mb, pick_device, pick_dtype,
+                              synchronize)
+from training.exit_codes import EXIT_BAD_CONFIG, EXIT_ERROR, EXIT_OUT_OF_MEMORY, exit_status_of_signal
+from training.metrics import METRICS_NAME, append_metrics, reset_metrics, write_run_config
+from training.profiling import (OPTIMIZER_RANGE, PROFILE_NAME, PROFILE_STEPS, attention_saved_mb, remove_profile,
+                                step_profiler, write_profile)
+from training.train_config import TrainConfig, check_config
 
 
-EXIT_ERROR = 1
 # The first steps of every process pay for torch.compile, Triton autotuning and the CUDA
 # allocator filling its caches. They are logged apart (warmup: true) and left out of the
 # steady-state step time.
@@ -299,7 +299,7 @@ class StopSignals:
                 if count >= 2:
                     os.write(2, f"\nsecond signal ({signal.Signals(signum).name}): stopped at once, without "
                                 "saving; the last checkpoint on disk is intact\n".encode())
-                    os._exit(128 + signum)
+                    os._exit(exit_status_of_signal(signum))
 
 
 @torch.no_grad()
@@ -568,7 +568,7 @@ def run(config, world):
             signum = world.max(stop.received or 0)
             if signum:
                 save_at_signal(training, state, signum)
-                status = 128 + signum
+                status = exit_status_of_signal(signum)
                 return status
             if state.iter_num >= config.max_iters:
                 status = 0

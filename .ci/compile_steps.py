@@ -26,7 +26,7 @@ import torch  # noqa: E402
 
 from data.shakespeare.prepare import SHAKESPEARE_VOCAB_SIZE as VOCAB_SIZE  # noqa: E402
 from model import GPT, GPTConfig, compile_model  # noqa: E402
-from train_config import TrainConfig  # noqa: E402
+from training.train_config import TrainConfig  # noqa: E402
 
 DEFAULT = TrainConfig()
 TOKENS_PER_MICRO_BATCH = DEFAULT.batch_size * DEFAULT.block_size

@@ -11,7 +11,7 @@ import pytest
 
 from attention import BACKENDS
 from conftest import REPO, run_script
-from metrics import read_metrics
+from training.metrics import read_metrics
 
 # One worker runs this module, so its module-scoped fixture runs once (see pytest.ini).
 pytestmark = pytest.mark.xdist_group("compare")

@@ -1,4 +1,4 @@
-"""configurator.py and train.py's config checks: bad settings stop the run, naming the key."""
+"""training/configurator.py and train.py's config checks: bad settings stop the run, naming the key."""
 from dataclasses import dataclass
 
 import re
@@ -7,10 +7,11 @@ from dataclasses import fields
 import pytest
 
 from attention import BACKENDS
-from configurator import EXIT_BAD_CONFIG, ConfigError, choice, config_files, field_meanings, parse_config
 from conftest import REPO, run_script
 from sample import SampleConfig
-from train_config import TrainConfig
+from training.configurator import ConfigError, choice, config_files, field_meanings, parse_config
+from training.exit_codes import EXIT_BAD_CONFIG
+from training.train_config import TrainConfig
 
 
 @dataclass
@@ -132,7 +133,7 @@ def test_train_rejects_a_seed_outside_numpys_range(seed, tmp_path):
 
 def test_the_seed_range_leaves_room_for_every_process():
     """Process r seeds with seed + r: with 4 processes the largest seed is 2**32 - 4."""
-    from train_config import TrainConfig, check_config
+    from training.train_config import TrainConfig, check_config
     check_config(TrainConfig(seed=2**32 - 4, gradient_accumulation_steps=4), world_size=4)
     with pytest.raises(ConfigError, match=r"seed=4294967293: expected an int in \[0, 4294967292\]"):
         check_config(TrainConfig(seed=2**32 - 3, gradient_accumulation_steps=4), world_size=4)

@@ -10,11 +10,11 @@ import time
 import pytest
 import torch
 
-from checkpoint import load_checkpoint
-from configurator import ConfigError
 from conftest import REPO
-from metrics import read_metrics, read_run_config
-from train_config import TrainConfig, check_config
+from training.checkpoint import load_checkpoint
+from training.configurator import ConfigError
+from training.metrics import read_metrics, read_run_config
+from training.train_config import TrainConfig, check_config
 
 # One worker runs this module, so its module-scoped fixture runs once (see pytest.ini).
 pytestmark = pytest.mark.xdist_group("ddp")

@@ -1,4 +1,4 @@
-"""profiling.py: where a step's time goes, sorted into categories; train.py --profile=True
+"""training/profiling.py: where a step's time goes, sorted into categories; train.py --profile=True
 and compare.py --profile=True on the CPU (CPU op time stands in for GPU kernel time)."""
 import contextlib
 import json
@@ -8,7 +8,7 @@ import torch
 
 from conftest import run_script
 from model import ATTENTION_RANGE, GPT, GPTConfig, labelled
-from profiling import CATEGORIES, attribute, union_us
+from training.profiling import CATEGORIES, attribute, union_us
 from test_compare import table_rows
 
 
@@ -116,6 +116,6 @@ def test_a_run_too_short_to_profile_says_so_and_leaves_no_stale_profile(tiny_arg
     ("triton_poi_fused_add_native_layer_norm_3", "everything else"),
 ], ids=lambda value: value[:24])
 def test_kernels_no_range_reaches_are_sorted_by_name(name, category):
-    from profiling import category_of_kernel_name
+    from training.profiling import category_of_kernel_name
 
     assert category_of_kernel_name(name) == category

@@ -9,11 +9,11 @@ from dataclasses import asdict
 import pytest
 import torch
 
-from checkpoint import CheckpointError, load_checkpoint, save_checkpoint
-from configurator import EXIT_BAD_CONFIG
 from conftest import REPO, run_script, script_command
 from data.batches import DataError, read_meta
 from model import GPT, GPTConfig
+from training.checkpoint import CheckpointError, load_checkpoint, save_checkpoint
+from training.exit_codes import EXIT_BAD_CONFIG
 
 GOOD_META = {"encoding": "gpt2", "vocab_size": 300, "dtype": "uint16", "gpt2_ids": list(range(0, 600, 2)),
              "train_tokens": 301_966, "val_tokens": 36_059, "train_chars": 1_003_854, "val_chars": 111_540}

@@ -14,9 +14,9 @@ import time
 import numpy as np
 import pytest
 
-from checkpoint import load_checkpoint
 from conftest import REPO, run_script, script_command
-from devices import EXIT_OUT_OF_MEMORY
+from training.checkpoint import load_checkpoint
+from training.exit_codes import EXIT_OUT_OF_MEMORY
 
 
 def start_train(args, log_dir):

@@ -6,8 +6,8 @@ from dataclasses import dataclass
 
 from attention import BACKENDS
 from attention.inputs import TRITON_HEAD_DIMS
-from configurator import ConfigError, choice
 from data.shakespeare.prepare import DEFAULT_OUT_DIR as DEFAULT_DATA_DIR
+from training.configurator import ConfigError, choice
 
 TRITON_BACKENDS = ("triton", "triton_fwd")
 MAX_SEED = 2**32 - 1  # numpy.random.seed takes [0, 2**32 - 1]
@@ -16,13 +16,21 @@ COMPILE_MODES = ("default", "reduce-overhead", "max-autotune", "max-autotune-no-
 
 @dataclass
 class TrainConfig:
+    """The defaults are the GPU run (configs/shakespeare.py names it): an 8-layer GPT on
+    TinyShakespeare's GPT-2 tokens (11,706 of them, renumbered densely by prepare.py), sized to
+    fit a 12 GB card with every attention backend, eager included. The comments above a key say
+    why its default; the comment ending its line is its meaning in --help."""
     # output, evaluation, checkpoints
     out_dir: str = "out-shakespeare"  # for ckpt.pt, metrics.jsonl, config.json; relative to the current dir
     init_from: str = choice("scratch", ("scratch", "resume"))  # resume: continue from out_dir/ckpt.pt
     overwrite: bool = False  # True: a run from scratch may replace the run in out_dir (its ckpt.pt and metrics.jsonl)
+    # The whole run is a few hundred steps: evaluate often enough to see where val loss bottoms
+    # out. 50 batches of 4,096 tokens cover the 36k val tokens many times over.
     eval_interval: int = 100  # evaluate (and checkpoint) every this many iterations
     eval_iters: int = 50  # batches per split in each evaluation
     log_interval: int = 10  # print and log a line every this many iterations
+    # 19M parameters on 302k training tokens can overfit: keep the checkpoint with the best val
+    # loss rather than the latest.
     always_save_checkpoint: bool = False  # True: save at every evaluation, not only when val loss improves
     # wandb (off by default; WANDB_MODE=offline writes a run folder for `wandb sync` instead of uploading)
     wandb_log: bool = False  # log to wandb as well
@@ -30,17 +38,28 @@ class TrainConfig:
     wandb_run_name: str = ""  # the wandb run name; "": "<attn>-<config file name>", e.g. triton-shakespeare
     # data
     data_dir: str = DEFAULT_DATA_DIR  # token files, prepared here if missing; default in the repo, a given path relative to the current dir
+    # 4 x 512 tokens per micro-batch, two micro-batches: 4,096 tokens per optimizer step. On this
+    # small corpus more, smaller steps generalised better than fewer large ones (.ci/gpu recipe;
+    # docs/benchmarks.md has the candidates and their val losses).
     batch_size: int = 4  # sequences per micro-batch, per process
     gradient_accumulation_steps: int = 2  # micro-batches per optimizer step, over all processes
+    # A 512-token context makes attention a large share of the step (its cost grows with the
+    # context, the matmuls' does not), which is what a comparison of attention backends needs,
+    # while eager's per-layer block_size^2 scores still fit a 12 GB card at this batch.
     block_size: int = 512  # context length in tokens
     # model
+    # n_embd / n_head = 64: a head dim the Triton kernels take (TRITON_HEAD_DIMS).
     n_layer: int = 8  # transformer blocks
     n_head: int = 6  # attention heads; n_embd / n_head is the head dim
     n_embd: int = 384  # model width
+    # One pass over the training data is ~74 steps of 4k tokens, so the run sees each token many
+    # times: heavy dropout and weight decay hold off memorising it.
     dropout: float = 0.35  # on embeddings, residual branches and the MLP (not inside attention)
     bias: bool = False  # biases in Linear layers and LayerNorms
     attn: str = choice("eager", BACKENDS)  # the attention backend (attention.BACKENDS)
     # optimizer and schedule: linear warmup, then cosine decay to min_lr at lr_decay_iters
+    # The learning rate decays to zero where val loss stops improving, so val loss flattens rather
+    # than climbs at the end and the last checkpoint is near the best: a longer run only memorises.
     learning_rate: float = 6e-4  # peak learning rate, reached after warmup_iters
     max_iters: int = 2000  # optimizer steps to train for
     weight_decay: float = 0.5  # AdamW weight decay, on matrices only

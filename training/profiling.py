@@ -26,8 +26,8 @@ import torch
 from torch.autograd import DeviceType
 from torch.profiler import ProfilerActivity, profile, schedule
 
-from metrics import write_atomically
 from model import ATTENTION_RANGE, OUTPUT_RANGE
+from training.atomic import write_atomically
 
 PROFILE_STEPS = 3  # steps recorded, after one the profiler warms up on
 PROFILE_NAME = "profile.json"
@@ -183,7 +183,9 @@ def attention_saved_mb(model, x, y, amp):
 
 
 def write_profile(out_dir, result):
-    write_atomically(os.path.join(out_dir, PROFILE_NAME), json.dumps(result, indent=2) + "\n")
+    with write_atomically(os.path.join(out_dir, PROFILE_NAME)) as f:
+        json.dump(result, f, indent=2)
+        f.write("\n")
 
 
 def remove_profile(out_dir):

@@ -32,7 +32,7 @@ import textwrap
 import tokenize
 import types
 
-EXIT_BAD_CONFIG = 2
+from training.exit_codes import EXIT_BAD_CONFIG
 
 
 class ConfigError(ValueError):

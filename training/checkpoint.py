@@ -1,11 +1,9 @@
 """Checkpoints that survive being killed mid-write, and clear errors for bad ones.
 
-save_checkpoint writes to ckpt.pt.tmp in the same folder, flushes and fsyncs it, then
-os.replace()s it over ckpt.pt. A rename within one filesystem is atomic, so a process
-killed at any moment (SIGKILL included) leaves ckpt.pt as either the previous complete
-checkpoint or the new complete one; at worst a stale ckpt.pt.tmp stays behind, and the
-next save overwrites it. A write that fails (a full disk, an I/O error) removes its
-ckpt.pt.tmp and raises a CheckpointError that says so in one line; ckpt.pt is untouched.
+save_checkpoint writes ckpt.pt atomically (training/atomic.py): a process killed at any
+moment leaves the previous complete checkpoint or the new one. A write that fails (a full
+disk, an I/O error) removes its ckpt.pt.tmp and raises a CheckpointError that says so in one
+line; ckpt.pt is untouched.
 
 Checkpoints hold only tensors and plain Python values, so they load with
 torch.load(weights_only=True), which cannot run code hidden in a tampered file.
@@ -16,6 +14,8 @@ import shutil
 
 import numpy as np
 import torch
+
+from training.atomic import write_atomically
 
 CHECKPOINT_NAME = "ckpt.pt"
 # What every reader of a checkpoint relies on (train.py's resume checks the optimizer, scaler
@@ -39,29 +39,17 @@ def checkpoint_path(out_dir):
 def save_checkpoint(state, out_dir):
     os.makedirs(out_dir, exist_ok=True)
     path = checkpoint_path(out_dir)
-    tmp_path = path + ".tmp"
     try:
-        with open(tmp_path, "wb") as f:
+        with write_atomically(path, "wb") as f:
             torch.save(state, f)
-            f.flush()
-            os.fsync(f.fileno())
     # torch.save reports a failed write as a RuntimeError ("enforce fail at
     # inline_container.cc"), flush and fsync as an OSError.
     except (OSError, RuntimeError) as e:
-        if os.path.exists(tmp_path):
-            os.remove(tmp_path)
         reason = e.strerror if isinstance(e, OSError) and e.strerror else str(e).strip().splitlines()[0]
         free_mb = shutil.disk_usage(out_dir).free / 2**20
         raise CheckpointError(f"could not write {path} ({reason}; {free_mb:,.0f} MB free on its disk). "
                               "The partial file was removed and the previous checkpoint, if any, is intact; "
                               "free some space, then continue with --init_from=resume") from None
-    os.replace(tmp_path, path)
-    # Make the rename itself durable too (it lives in the directory entry).
-    dir_fd = os.open(out_dir, os.O_RDONLY)
-    try:
-        os.fsync(dir_fd)
-    finally:
-        os.close(dir_fd)
 
 
 def load_checkpoint(out_dir):

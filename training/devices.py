@@ -21,11 +21,6 @@ PEAK_BF16_FLOPS = (
 )
 
 
-# train.py's exit status when the device runs out of memory; compare.py reads it to mark the
-# run as out of memory rather than failed.
-EXIT_OUT_OF_MEMORY = 3
-
-
 class DeviceError(RuntimeError):
     pass
 

@@ -12,6 +12,8 @@ import json
 import math
 import os
 
+from training.atomic import write_atomically
+
 CONFIG_NAME = "config.json"
 METRICS_NAME = "metrics.jsonl"
 
@@ -50,16 +52,9 @@ def reset_metrics(out_dir, keep_through_iter):
     kept = []
     if keep_through_iter is not None and os.path.exists(path):
         kept = [record for record in read_metrics(out_dir) if record.get("iter", math.inf) <= keep_through_iter]
-    write_atomically(path, "".join(json.dumps(record) + "\n" for record in kept))
-
-
-def write_atomically(path, text):
-    """Write text to path through a temporary file renamed over it: a reader, or a run killed
-    half way, sees the old file or the new one, never half of one."""
-    tmp_path = path + ".tmp"
-    with open(tmp_path, "w") as f:
-        f.write(text)
-    os.replace(tmp_path, path)
+    with write_atomically(path) as f:
+        for record in kept:
+            f.write(json.dumps(record) + "\n")
 
 
 def append_metrics(out_dir, record):
