@@ -91,7 +91,7 @@ def sample_next_token(logits, vocab_size, temperature=1.0, top_k=None):
     token of probability 0 can never win; top_k=1 therefore draws the argmax exactly."""
     logits = logits[:, :vocab_size].float() / temperature
     if top_k is not None:
-        kth = torch.topk(logits, min(top_k, vocab_size)).values[:, [-1]]
+        kth = torch.topk(logits, min(top_k, vocab_size)).values[:, -1:]  # a list index would copy from the host
         logits = logits.masked_fill(logits < kth, float("-inf"))
     probs = F.softmax(logits, dim=-1)
     race = torch.empty_like(probs).exponential_(1).clamp_min_(torch.finfo(probs.dtype).tiny)

@@ -112,7 +112,11 @@ def attribute(events):
                 if category == "everything else":
                     category = category_of_kernel_name(kernel.name)
                 us[category] += kernel.duration
-        busy_us = union_us([(k.time_range.start, k.time_range.end) for k in device_events],
+        # Busy time from the kernels alone: the device events also hold GPU-side copies of the
+        # user ranges (each ProfilerStep, "attention", ...), which span whole steps.
+        kernel_names = {kernel.name for op in cpu_events for kernel in op.kernels}
+        kernels = [e for e in device_events if e.name in kernel_names]
+        busy_us = union_us([(k.time_range.start, k.time_range.end) for k in kernels],
                            [(s.time_range.start, s.time_range.end) for s in steps])
         device = "cuda"
     else:
