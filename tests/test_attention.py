@@ -207,7 +207,7 @@ TIMING_CONFIGS = [triton.Config({"BLOCK_M": m, "BLOCK_N": n, "USE_TMA": False}, 
 def timed_configs(tmp_path, monkeypatch):
     """TunedKernel on a FakeKernel as on a GPU (several candidates to time; the interpreter has
     one), its choices persisted under tmp_path. Returns the list of timed configs' BLOCK_M: the
-    stand-in do_bench runs the launch once and reports BLOCK_M 32 as the fastest."""
+    stand-in do_bench_cudagraph runs the launch once and reports BLOCK_M 32 as the fastest."""
     monkeypatch.setenv(triton_launch.TUNING_CACHE_ENV, str(tmp_path))
     monkeypatch.setattr(triton_launch, "INTERPRETING", False)
     timed = []
@@ -217,7 +217,7 @@ def timed_configs(tmp_path, monkeypatch):
         block_m = FakeKernel.last_config["BLOCK_M"]
         timed.append(block_m)
         return abs(block_m - 32) + 1.0
-    monkeypatch.setattr(triton.testing, "do_bench", fake_do_bench)
+    monkeypatch.setattr(triton.testing, "do_bench_cudagraph", fake_do_bench)
     return timed
 
 
