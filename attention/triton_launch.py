@@ -275,7 +275,7 @@ class TunedKernel:
             try:
                 # Replayed from a CUDA graph, so the ranking is of the kernels' GPU time: at the model's
                 # shapes a kernel runs for less time than the host takes to launch it, and timing
-                # plain launches ranked the launches (docs/optimisation.md, "Tuning by GPU time").
+                # plain launches ranked the launches (docs/benchmarks.md, "Tuning by GPU time").
                 # Short runs: the ranking needs a few repetitions, not precision to the last percent.
                 return triton.testing.do_bench_cudagraph(
                     lambda: self.kernel[grid](*args, **constexprs, **config.all_kwargs()), rep=20, return_mode="median")

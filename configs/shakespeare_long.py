@@ -19,6 +19,7 @@
 # Everything else is the default run's (TrainConfig, configs/shakespeare.py).
 out_dir = "out-shakespeare-long"
 block_size = 4096
-# 2 x 4096 = 8,192 tokens per micro-batch and per optimizer step, as the default run's step.
+# 2 x 4096 = 8,192 tokens per micro-batch and per optimizer step, twice the default run's step:
+# at one sequence eager's scores would be half the estimate above, and eager would fit.
 batch_size = 2
 gradient_accumulation_steps = 1
