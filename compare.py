@@ -332,10 +332,9 @@ def profile_table(profiles):
     unit = "GPU kernel" if all(p["device"] == "cuda" for p in profiles.values()) else "CPU op"
     rows = []
     for label, profile in profiles.items():
-        attention = profile["ms"]["attention forward"] + profile["ms"]["attention backward"]
         rows.append(" | ".join([f"| {label}", *(f"{profile['ms'][c]:.2f}" for c in CATEGORIES),
                                 f"{profile['step_ms']:.2f}", f"{busy_ms(profile):.2f}",
-                                f"{100 * attention / busy_ms(profile):.0f}%", fmt(profile.get("peak_mem_mb"), ",.0f"),
+                                share_text(profile), fmt(profile.get("peak_mem_mb"), ",.0f"),
                                 fmt(profile.get("attention_saved_mb"), ",.1f")]) + " |")
     return f"""
 ## Where the step goes
@@ -344,12 +343,21 @@ torch.profiler over {next(iter(profiles.values()))['steps']} steady-state steps 
 ms per optimizer step of {unit} time. Idle is the step's wall time during which the device ran
 nothing: the host had not launched the next work yet. Busy is the step minus idle, and attention's
 share is of busy time. Compiled code is sorted by kernel name where the profiler ranges do not
-reach it. Peak memory is the most torch allocated by the end of the profiled steps; attention
-saved is what attention keeps for its backward pass in one micro-batch's forward (all layers, uncompiled).
+reach it; where attention is fused into other kernels, its share reads "n/a (fused)". Peak memory is
+the most torch allocated by the end of the profiled steps; attention saved is what attention
+keeps for its backward pass in one micro-batch's forward (all layers, uncompiled).
 
 | run | {' | '.join(CATEGORIES)} | step (wall) | busy | attention share | peak memory (MB) | attention saved (MB) |
 |{' --- |' * (len(CATEGORIES) + 6)}
 """ + "\n".join(rows) + "\n"
+
+
+def share_text(profile):
+    """Attention's share of the busy time, e.g. "57%"; "n/a (fused)" when no kernel was
+    attention's alone: Inductor fuses eager's softmax with the work around it, which the
+    profile cannot split."""
+    attention = profile["ms"]["attention forward"] + profile["ms"]["attention backward"]
+    return f"{100 * attention / busy_ms(profile):.0f}%" if attention > 0 else "n/a (fused)"
 
 
 def plot_profiles(profiles, attn_of, path, setup):
@@ -365,8 +373,7 @@ def plot_profiles(profiles, attn_of, path, setup):
                edgecolor="grey", hatch="//" if category == "idle" else None)
         bottoms += values
     for x, (label, total) in enumerate(zip(labels, bottoms)):
-        attention = profiles[label]["ms"]["attention forward"] + profiles[label]["ms"]["attention backward"]
-        ax.text(x, total, f"{total:.1f} ms\nattention {100 * attention / busy_ms(profiles[label]):.0f}% of busy",
+        ax.text(x, total, f"{total:.1f} ms\nattention share {share_text(profiles[label])}",
                 ha="center", va="bottom", fontsize=8)
     device = "GPU kernel time" if all(p["device"] == "cuda" for p in profiles.values()) else "CPU op time"
     ax.set(ylabel=f"ms per optimizer step ({device}; idle: nothing running)", ylim=(0, 1.15 * bottoms.max()))
