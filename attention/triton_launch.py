@@ -197,9 +197,10 @@ class TunedKernel:
     """A Triton kernel launched with the fastest of its candidate configs, per tuning key.
 
     The first launch for a key takes the choice saved on disk by an earlier process
-    (tuning_cache_path), or else times every config that fits the card and the sequence on the
-    real arguments (each kernel writes its outputs whole, with no atomics, so running it several
-    times is harmless) and saves the winner. Inside a CUDA graph capture nothing is timed (that
+    (tuning_cache_path), or else times the first TIMED_CANDIDATES configs that fit the card and
+    the sequence (each list is ordered best first) on the real arguments, replayed from a CUDA
+    graph (each kernel writes its outputs whole, with no atomics, so running it several times is
+    harmless), and saves the winner. Inside a CUDA graph capture nothing is timed (that
     would sync and record the timing launches): a key met there for the first time, with no
     saved choice, keeps the first candidate for the process. `tunings` counts the timed tunings.
 
