@@ -3,6 +3,7 @@
 The scripts are run as subprocesses, as a user runs them, so exit codes, messages and
 signals are the real ones.
 """
+import os
 import subprocess
 import sys
 from pathlib import Path
@@ -17,6 +18,20 @@ REPO = Path(__file__).resolve().parent.parent
 # The scripts' rule for offline data (see prepare.py): the variables CI sets, else shared/data
 # beside the repo. Applied here too, for the tests that use tiktoken without prepare().
 use_shared_data()
+
+
+def share_the_cores_among_the_workers():
+    """Under pytest-xdist, give each worker's torch, and the scripts it runs, an equal share of
+    the cores (OMP_NUM_THREADS, unless already set). Each worker is busy with a test of its own
+    all the time, so torch's default of a thread per core oversubscribes the cores: on 2
+    cores, two train.py runs at once take 1.5x as long with 2 threads each as with 1."""
+    workers = int(os.environ.get("PYTEST_XDIST_WORKER_COUNT", "1"))
+    if workers > 1:
+        os.environ.setdefault("OMP_NUM_THREADS", str(max(1, os.cpu_count() // workers)))
+        torch.set_num_threads(int(os.environ["OMP_NUM_THREADS"]))
+
+
+share_the_cores_among_the_workers()
 
 
 @pytest.hookimpl(trylast=True)  # after pytest-xdist's own hook, so its suffix, where it works, is seen

@@ -110,10 +110,10 @@ def test_sigkill_during_checkpoint_writes_leaves_a_loadable_checkpoint(tiny_args
     assert load_checkpoint(str(out_dir))["iter"] == saved_iters[-1] + 2
 
 
-def test_non_finite_loss_stops_naming_the_iteration_and_keeps_the_last_good_checkpoint(tiny_args, tmp_path):
+def test_non_finite_loss_stops_naming_the_iteration_and_keeps_the_last_good_checkpoint(trained_out_dir, tiny_args,
+                                                                                          tmp_path):
     out_dir = tmp_path / "out"
-    good = run_script("train.py", *tiny_args, "--max_iters=4", "--eval_interval=2")
-    assert good.returncode == 0, good.stderr
+    shutil.copytree(trained_out_dir, out_dir)  # a good run: its checkpoint at iter 4, its metrics
     good_bytes = (out_dir / "ckpt.pt").read_bytes()
     # An absurd learning rate makes the weights overflow within a step or two.
     diverging = run_script("train.py", *tiny_args, "--init_from=resume", "--max_iters=20", "--eval_interval=2",
