@@ -19,6 +19,7 @@ import math
 import torch
 import torch.nn.functional as F
 
+from .eager import masked_attention_with_lse
 from .inputs import check_inputs, check_triton_inputs
 from .triton_decode import triton_decode_attention
 
@@ -42,12 +43,8 @@ def key_visible(n_keys, batch, n_cache):
 
 
 def eager_decode_attention(q, k_cache, v_cache, n_keys):
-    """The reference: every score, keys past n_keys set to -inf, a float32 softmax (float64 for
-    float64 inputs), as eager.py does for attention()."""
-    softmax_dtype = torch.float64 if q.dtype == torch.float64 else torch.float32
-    scores = (q @ k_cache.transpose(-2, -1)).to(softmax_dtype) / math.sqrt(q.shape[-1])
-    scores = scores.masked_fill(~key_visible(n_keys, q.shape[0], k_cache.shape[2]), float("-inf"))
-    return torch.softmax(scores, dim=-1).to(v_cache.dtype) @ v_cache
+    """The reference: eager.py's attention over the whole cache, keys past n_keys masked."""
+    return masked_attention_with_lse(q, k_cache, v_cache, key_visible(n_keys, q.shape[0], k_cache.shape[2]))[0]
 
 
 def tiled_decode_attention(q, k_cache, v_cache, n_keys, tile_size=64):
