@@ -106,15 +106,15 @@ def attribute(events):
     if device_events:
         # torch links each kernel to the op that launched it in that op's .kernels (every torch
         # version; the kernel events' own link back, linked_correlation_id, is newer than 2.11).
-        for op in cpu_events:
+        kernel_names = set()
+        for op in (e for e in cpu_events if e.kernels):
+            op_category = category_of_op(op)
             for kernel in op.kernels:
-                category = category_of_op(op)
-                if category == "everything else":
-                    category = category_of_kernel_name(kernel.name)
+                category = op_category if op_category != "everything else" else category_of_kernel_name(kernel.name)
                 us[category] += kernel.duration
+                kernel_names.add(kernel.name)
         # Busy time from the kernels alone: the device events also hold GPU-side copies of the
         # user ranges (each ProfilerStep, "attention", ...), which span whole steps.
-        kernel_names = {kernel.name for op in cpu_events for kernel in op.kernels}
         kernels = [e for e in device_events if e.name in kernel_names]
         busy_us = union_us([(k.time_range.start, k.time_range.end) for k in kernels],
                            [(s.time_range.start, s.time_range.end) for s in steps])
