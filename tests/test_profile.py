@@ -2,9 +2,12 @@
 and compare.py --profile=True on the CPU (CPU op time stands in for GPU kernel time)."""
 import contextlib
 import json
+from types import SimpleNamespace
 
 import pytest
 import torch
+from torch.autograd import DeviceType
+from torch.autograd.profiler_util import Interval, Kernel
 
 from conftest import run_script
 from model import ATTENTION_RANGE, GPT, GPTConfig, labelled
@@ -53,6 +56,32 @@ def test_attention_backward_is_found_through_autograd_sequence_numbers():
         assert result["ms"][category] > 0, category
     assert result["ms"]["optimizer"] == 0  # no optimizer in this loop
     assert sum(result["ms"].values()) == pytest.approx(result["step_ms"], rel=1e-6)
+
+
+def gpu_profile_events():
+    """What torch.profiler's events look like on a GPU, for one 1000 us step: ops on the CPU
+    with the kernels they launched in .kernels, the kernels again as CUDA events, and the
+    step's range copied to the GPU as an annotation spanning the whole step."""
+    def event(name, device, start, end, parent=None, kernels=()):
+        return SimpleNamespace(name=name, device_type=device, time_range=Interval(start, end), cpu_parent=parent,
+                               sequence_nr=-1, kernels=list(kernels))
+    cpu, cuda = DeviceType.CPU, DeviceType.CUDA
+    step = event("ProfilerStep#1", cpu, 0, 1000)
+    attention_range = event(ATTENTION_RANGE, cpu, 10, 40, parent=step)
+    ops = [event("aten::mm", cpu, 0, 10, parent=step, kernels=[Kernel("sm90_xmma_gemm", 0, 100)]),
+           event("nanofa2::triton_attention", cpu, 10, 40, parent=attention_range, kernels=[Kernel("_attn_fwd", 0, 50)])]
+    device = [event("sm90_xmma_gemm", cuda, 100, 200), event("_attn_fwd", cuda, 300, 350),
+              event("ProfilerStep#1", cuda, 0, 1000)]
+    return [step, attention_range, *ops, *device]
+
+
+def test_gpu_kernels_are_sorted_by_the_op_that_launched_them_and_annotations_are_not_busy():
+    result = attribute(gpu_profile_events())
+    assert result["device"] == "cuda" and result["steps"] == 1 and result["step_ms"] == pytest.approx(1.0)
+    ms = result["ms"]
+    assert ms["matmuls"] == pytest.approx(0.1) and ms["attention forward"] == pytest.approx(0.05)
+    # Busy is the two kernels' 150 us; the step's GPU-side annotation is no kernel.
+    assert ms["idle"] == pytest.approx(0.85)
 
 
 def test_compare_profiles_every_backend(data_dir, tmp_path):
