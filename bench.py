@@ -29,7 +29,7 @@ import torch.nn.functional as F
 from torch.nn.attention import SDPBackend, sdpa_kernel
 
 from attention import BACKENDS, attention, packed_attention
-from attention.triton_backward import DKDV_CONFIGS, DQ_CONFIGS, dkdv_smem_rows, dq_smem_rows, flash_backward
+from attention.triton_backward import backward_smem_rows, flash_backward
 from attention.triton_launch import shared_memory_bytes, shared_memory_limit
 from attention.triton_forward import FORWARD_CONFIGS, flash_forward, forward_smem_rows
 from data.shakespeare.prepare import SHAKESPEARE_VOCAB_SIZE
@@ -217,10 +217,9 @@ def sweep_configs(out):
     """Time each kernel with every candidate config (a superset of the autotuner's lists) at
     one paper-grid shape per head dim, on both load paths, and print them fastest first."""
     wide = [(a, b, w, s) for a in (64, 128) for b in (32, 64, 128) for w in (4, 8) for s in (2, 3, 4)]
-    bwd = [(a, b, w, s) for a in (64, 128) for b in (16, 32, 64) for w in (4, 8) for s in (2, 3)]
+    bwd = [(a, b, w, s) for a in (16, 32, 64, 128) for b in (32, 64, 128) for w in (4, 8) for s in (2, 3)]
     jobs = [("fwd", dict(BLOCK_M=a, BLOCK_N=b), w, s) for a, b, w, s in wide]
-    jobs += [("dkdv", dict(BLOCK_N=a, BLOCK_M=b), w, s) for a, b, w, s in bwd]
-    jobs += [("dq", dict(BLOCK_M=a, BLOCK_N=b), w, s) for a, b, w, s in bwd]
+    jobs += [("bwd", dict(BLOCK_M=a, BLOCK_N=b), w, s) for a, b, w, s in bwd]
     cases = [(D, causal, tma) for D in (64, 128) for causal in (False, True) for tma in (True, False)]
     work = [(kernel, tiles, w, s, D, causal, tma) for D, causal, tma in cases for kernel, tiles, w, s in jobs]
     # Compiling is the slow part and needs no GPU time: compile every config in parallel first.
@@ -232,7 +231,7 @@ def sweep_configs(out):
     with open(os.path.join(out, "configs.json"), "w") as f:
         json.dump(dict(env=environment(), results=results), f, indent=1)
     for D, causal, tma in cases:
-        for kernel in ("fwd", "dkdv", "dq"):
+        for kernel in ("fwd", "bwd"):
             sel = sorted((r for r in results if (r["kernel"], r["D"], r["causal"], r["tma"]) == (kernel, D, causal, tma)
                           and r["ms"] is not None), key=lambda r: r["ms"])
             print(f"{kernel} D={D} causal={causal} tma={tma}: " + ", ".join(
@@ -425,17 +424,15 @@ def _run_config(job, warm_only):
     shape = dict(B=4, H=2048 // D, N=4096, D=D, causal=causal, dtype="bfloat16")
     _, q, k, v = make_inputs(shape, requires_grad=False)
     config = triton.Config(dict(tiles, USE_TMA=tma), num_warps=num_warps, num_stages=num_stages)
-    smem_rows = dict(fwd=forward_smem_rows, dkdv=dkdv_smem_rows, dq=dq_smem_rows)[kernel]
+    smem_rows = dict(fwd=forward_smem_rows, bwd=backward_smem_rows)[kernel]
     if shared_memory_bytes(config, smem_rows, D, q.element_size()) > shared_memory_limit(q.device):
         return None
     if kernel == "fwd":
         fn = lambda: flash_forward(q, k, v, causal, config=config)
-    else:  # the other backward kernel keeps one fixed config, so differences are this kernel's
+    else:
         o, lse = flash_forward(q, k, v, causal, config=FORWARD_CONFIGS[0])
         do = torch.randn_like(o)
-        fixed = dict(dkdv_config=DKDV_CONFIGS[0], dq_config=DQ_CONFIGS[0])
-        fixed[f"{kernel}_config"] = config
-        fn = lambda: flash_backward(q, k, v, o, do, lse, causal, **fixed)
+        fn = lambda: flash_backward(q, k, v, o, do, lse, causal, config=config)
     try:
         if warm_only:
             fn()

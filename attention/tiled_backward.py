@@ -11,13 +11,13 @@ For each tile pair, with s = q_tile k_tile^T * scale and the forward's mask:
     p  = exp(s - lse)        dp = do_tile v_tile^T        ds = p * (dp - delta)
     dV += p^T do_tile        dK += ds^T q_tile * scale    dQ += ds k_tile * scale
 
-Two passes, so that each one owns the tiles it writes:
-1. dQ: for each query tile, walk the key tiles it sees (key_tile_bounds, as in the forward).
-2. dK, dV: for each key tile, walk the query tiles that see it (query_tile_bounds).
+Two passes, so that each one owns the tiles it writes; given delta they are independent:
+1. dK, dV: for each key tile, walk the query tiles that see it (query_tile_bounds).
+2. dQ: for each query tile, walk the key tiles it sees (key_tile_bounds, as in the forward).
 
-triton_backward.py runs the same passes, in the same order, as two GPU kernels, _bwd_dq and
-_bwd_dkdv, with the same names and bounds (the kernels must run dQ first: it stores delta for
-dK/dV). As in tiled.py, this is clear, not fast: Python loops over tiles.
+triton_backward.py runs the same steps with the same names and bounds: a kernel for delta,
+then one launch in which each program does one tile of one of the two passes. As in
+tiled.py, this is clear, not fast: Python loops over tiles.
 """
 import math
 
@@ -39,25 +39,7 @@ def tiled_backward(Q, K, V, O, lse, dO, is_causal=False, tile_m=64, tile_n=64):
     delta = (dO * O).sum(dim=-1)
     dQ, dK, dV = torch.empty_like(Q), torch.empty_like(K), torch.empty_like(V)
 
-    # 1. dQ, with the forward's schedule.
-    for q_start in range(0, n_q, tile_m):
-        q_end = min(q_start + tile_m, n_q)
-        q_tile, do_tile = Q[..., q_start:q_end, :], dO[..., q_start:q_end, :]
-        dq = torch.zeros_like(q_tile)
-        unmasked_end, end = key_tile_bounds(q_start, n_k, is_causal, tile_m, tile_n)
-        for k_start in range(0, end, tile_n):
-            k_end = min(k_start + tile_n, n_k)
-            k_tile, v_tile = K[..., k_start:k_end, :], V[..., k_start:k_end, :]
-            s = einsum(q_tile, k_tile, "... i d, ... j d -> ... i j") * scale
-            p = torch.exp(s - lse[..., q_start:q_end, None])
-            if is_causal and k_start >= unmasked_end:  # the tile crosses the diagonal
-                p = p.masked_fill(~visible_in_tile(q_start, q_end, k_start, k_end, Q.device), 0.0)
-            dp = einsum(do_tile, v_tile, "... i d, ... j d -> ... i j")
-            ds = p * (dp - delta[..., q_start:q_end, None])
-            dq += einsum(ds, k_tile, "... i j, ... j d -> ... i d")
-        dQ[..., q_start:q_end, :] = dq * scale
-
-    # 2. dK, dV. Everything is transposed (keys along rows), so dk and dv keep k_tile's shape.
+    # 1. dK, dV. Everything is transposed (keys along rows), so dk and dv keep k_tile's shape.
     for k_start in range(0, n_k, tile_n):
         k_end = min(k_start + tile_n, n_k)
         k_tile, v_tile = K[..., k_start:k_end, :], V[..., k_start:k_end, :]
@@ -76,4 +58,22 @@ def tiled_backward(Q, K, V, O, lse, dO, is_causal=False, tile_m=64, tile_n=64):
             dk += einsum(ds_t, q_tile, "... j i, ... i d -> ... j d")
         dK[..., k_start:k_end, :] = dk * scale
         dV[..., k_start:k_end, :] = dv
+
+    # 2. dQ, with the forward's schedule.
+    for q_start in range(0, n_q, tile_m):
+        q_end = min(q_start + tile_m, n_q)
+        q_tile, do_tile = Q[..., q_start:q_end, :], dO[..., q_start:q_end, :]
+        dq = torch.zeros_like(q_tile)
+        unmasked_end, end = key_tile_bounds(q_start, n_k, is_causal, tile_m, tile_n)
+        for k_start in range(0, end, tile_n):
+            k_end = min(k_start + tile_n, n_k)
+            k_tile, v_tile = K[..., k_start:k_end, :], V[..., k_start:k_end, :]
+            s = einsum(q_tile, k_tile, "... i d, ... j d -> ... i j") * scale
+            p = torch.exp(s - lse[..., q_start:q_end, None])
+            if is_causal and k_start >= unmasked_end:  # the tile crosses the diagonal
+                p = p.masked_fill(~visible_in_tile(q_start, q_end, k_start, k_end, Q.device), 0.0)
+            dp = einsum(do_tile, v_tile, "... i d, ... j d -> ... i j")
+            ds = p * (dp - delta[..., q_start:q_end, None])
+            dq += einsum(ds, k_tile, "... i j, ... j d -> ... i d")
+        dQ[..., q_start:q_end, :] = dq * scale
     return dQ.to(dtype), dK.to(dtype), dV.to(dtype)

@@ -52,7 +52,7 @@ def _attn_fwd(Q, K, V, O, LSE,
               H, N_Q, N_K, qk_scale,
               IS_CAUSAL: tl.constexpr, HEAD_DIM: tl.constexpr,
               BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr, USE_TMA: tl.constexpr):
-    start_m = query_tile_start(IS_CAUSAL, BLOCK_M)
+    start_m = query_tile_start(tl.program_id(0), tl.num_programs(0), IS_CAUSAL, BLOCK_M)
     bh = tl.program_id(1)
     Q = head_matrix(Q, bh, H, stride_qb, stride_qh, stride_qn, N_Q, HEAD_DIM, BLOCK_M, USE_TMA)
     K = head_matrix(K, bh, H, stride_kb, stride_kh, stride_kn, N_K, HEAD_DIM, BLOCK_N, USE_TMA)

@@ -12,12 +12,13 @@ LOG2_E = 1.4426950408889634  # the kernels' softmax runs in base 2: exp(x) = exp
 
 
 @triton.jit
-def query_tile_start(IS_CAUSAL: tl.constexpr, BLOCK_M: tl.constexpr):
-    """The first query row of this program's tile. Causal query tiles near the end have the
-    most keys to visit: launch them first, so the short ones fill the gaps at the end of the grid."""
-    tile_m = tl.program_id(0)
+def query_tile_start(program, n_programs, IS_CAUSAL: tl.constexpr, BLOCK_M: tl.constexpr):
+    """The first query row of the tile of the program-th of n_programs query-tile programs.
+    Causal query tiles near the end have the most keys to visit: launch them first, so the
+    short ones fill the gaps at the end of the grid."""
+    tile_m = program
     if IS_CAUSAL:
-        tile_m = tl.num_programs(0) - 1 - tile_m
+        tile_m = n_programs - 1 - program
     return tile_m * BLOCK_M
 
 

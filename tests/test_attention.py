@@ -20,7 +20,7 @@ from attention import triton_launch
 from attention.eager import eager_attention_with_lse
 from attention.inputs import unpack_heads
 from attention.tiled import tiled_forward
-from attention.triton_backward import DKDV_CONFIGS, DQ_CONFIGS, dkdv_smem_rows, dq_smem_rows, flash_backward
+from attention.triton_backward import BACKWARD_CONFIGS, backward_smem_rows, flash_backward
 from attention.triton_forward import FORWARD_CONFIGS, flash_forward, forward_smem_rows
 from attention.triton_launch import TunedKernel, TuningKey, descriptor_ready, prune_configs
 
@@ -360,7 +360,7 @@ def test_triton_kernels_with_explicit_tiles(block_m, block_n, is_causal, use_tma
     o_ref, lse_ref, dq_ref, dk_ref, dv_ref = reference(q, k, v, is_causal, do)
     assert_close(o, o_ref, 1e-4, "O")
     assert_close(lse, lse_ref, 1e-5, "L")
-    dq, dk, dv = flash_backward(q, k, v, o, do, lse, is_causal, dkdv_config=config, dq_config=config)
+    dq, dk, dv = flash_backward(q, k, v, o, do, lse, is_causal, config=config)
     for name, got, ref in (("dQ", dq, dq_ref), ("dK", dk, dk_ref), ("dV", dv, dv_ref)):
         assert_close(got, ref, 1e-4, name)
 
@@ -478,8 +478,8 @@ def _enabled(configs, smem_rows, q):
 @pytest.mark.parametrize("head_dim", [64, 128])
 @pytest.mark.parametrize("is_causal", [False, True])
 def test_gpu_every_tile_config_is_correct(head_dim, is_causal, dtype):
-    """Every config the autotuner may pick on this card, forward and both backward kernels
-    (on Hopper both load paths: TMA and cp.async)."""
+    """Every config the autotuner may pick on this card, forward and backward (on Hopper both
+    load paths: TMA and cp.async)."""
     q, k, v = (t.detach() for t in random_qkv((2, 2, 1031, head_dim), 1031, dtype=dtype, device="cuda", seed=head_dim))
     do = torch.randn_like(q)
     o_ref, lse_ref, dq_ref, dk_ref, dv_ref = reference(q, k, v, is_causal, do)
@@ -487,14 +487,10 @@ def test_gpu_every_tile_config_is_correct(head_dim, is_causal, dtype):
     for config in _enabled(FORWARD_CONFIGS, forward_smem_rows, q):
         o, lse = flash_forward(q, k, v, is_causal, config=config)
         assert_close(o, o_ref, tol, f"O with {config}")
-    kwargs = dict(dkdv_config=DKDV_CONFIGS[0], dq_config=DQ_CONFIGS[0])
-    for config in _enabled(DKDV_CONFIGS, dkdv_smem_rows, q):
-        _, dk, dv = flash_backward(q, k, v, o, do, lse, is_causal, **{**kwargs, "dkdv_config": config})
-        assert_close(dk, dk_ref, tol, f"dK with {config}")
-        assert_close(dv, dv_ref, tol, f"dV with {config}")
-    for config in _enabled(DQ_CONFIGS, dq_smem_rows, q):
-        dq, _, _ = flash_backward(q, k, v, o, do, lse, is_causal, **{**kwargs, "dq_config": config})
-        assert_close(dq, dq_ref, tol, f"dQ with {config}")
+    for config in _enabled(BACKWARD_CONFIGS, backward_smem_rows, q):
+        dq, dk, dv = flash_backward(q, k, v, o, do, lse, is_causal, config=config)
+        for name, got, ref in (("dQ", dq, dq_ref), ("dK", dk, dk_ref), ("dV", dv, dv_ref)):
+            assert_close(got, ref, tol, f"{name} with {config}")
 
 
 @gpu

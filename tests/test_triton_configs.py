@@ -50,13 +50,13 @@ def compile_for(kernel, element_type, constexprs, capability, num_warps, num_sta
 def measure():
     """Compile every config for sm_90; for each cp.async config, also compile for sm_89 at the
     largest head dim the estimate admits per element size, and report the compiler's shared memory."""
-    from attention.triton_backward import DKDV_CONFIGS, DQ_CONFIGS, _bwd_dkdv, _bwd_dq, dkdv_smem_rows, dq_smem_rows
+    from attention.triton_backward import BACKWARD_CONFIGS, _attn_bwd, backward_smem_rows
     from attention.triton_launch import shared_memory_bytes
     from attention.triton_forward import FORWARD_CONFIGS, _attn_fwd, forward_smem_rows
 
     results = []
     for kernel, configs, smem_rows in ((_attn_fwd, FORWARD_CONFIGS, forward_smem_rows),
-                                       (_bwd_dkdv, DKDV_CONFIGS, dkdv_smem_rows), (_bwd_dq, DQ_CONFIGS, dq_smem_rows)):
+                                       (_attn_bwd, BACKWARD_CONFIGS, backward_smem_rows)):
         for config in configs:
             compile_for(kernel, "bf16", dict(config.kwargs, IS_CAUSAL=True, HEAD_DIM=128), 90, config.num_warps,
                         config.num_stages)
@@ -92,7 +92,7 @@ def test_every_ada_config_fits_shared_memory(compiled):
 def test_every_kernel_has_an_ada_config_for_every_head_dim(compiled):
     """Some config is admitted at head dim 128 (and so, smaller dims) for every kernel and
     element size, so the prune never has to fall back to a config the card cannot hold."""
-    for kernel in ("_attn_fwd", "_bwd_dkdv", "_bwd_dq"):
+    for kernel in ("_attn_fwd", "_attn_bwd"):
         for element_type in ELEMENT_TYPES:
             dims = {r["head_dim"] for r in compiled if r["kernel"] == kernel and r["element_type"] == element_type}
             assert dims and max(dims) == 128, f"{kernel} {element_type}: no config admitted at head dim 128"

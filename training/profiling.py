@@ -132,8 +132,8 @@ def attribute(events):
 
 # Kernel names, for kernels no range reaches: torch's flash, memory-efficient and cuDNN
 # attention (flash_bwd..., fmha_cutlassB..., ..._sdpa_..._bprop...) and this repo's
-# (_attn_fwd, _bwd_dq, _bwd_dkdv).
-ATTENTION_KERNEL_WORDS = ("flash", "fmha", "attn", "attention", "sdpa", "_bwd_dq", "_bwd_dkdv")
+# (_attn_fwd, _attn_bwd_delta, _attn_bwd).
+ATTENTION_KERNEL_WORDS = ("flash", "fmha", "attn", "attention", "sdpa")
 BACKWARD_KERNEL_WORDS = ("bwd", "backward", "bprop", "cutlassb")
 
 
