@@ -369,3 +369,22 @@ def test_bf16_cached_logits_match_the_whole_context_ones(attn):
             assert cached.dtype == torch.bfloat16
             scale = whole.float().abs().max()
             torch.testing.assert_close(cached.float(), whole.float(), atol=0.05 * scale, rtol=0)
+
+
+@pytest.mark.gpu
+@pytest.mark.parametrize("attn", BACKENDS)
+def test_a_cuda_graph_decode_with_bf16_weights_draws_the_tokens_of_the_uncaptured_one(attn):
+    # The graph recorded without autocast (generation_precision's bf16 weights) replays the
+    # step's kernels: with one seed (bf16 logits tie, and the race breaks ties) it draws the
+    # greedy tokens of the same step run token by token, on the recording call and a replaying one.
+    gpt, precision = bf16_generation_gpt(attn)
+    gpt.cuda()
+    tokens = torch.randint(0, 256, (3, 5), generator=torch.Generator().manual_seed(1)).cuda()
+    with torch.no_grad(), precision:
+        torch.manual_seed(0)
+        expected_tokens = uncaptured_sampled(gpt, tokens, 11, temperature=1.0, top_k=1)
+        assert all(len(set(row[5:].tolist())) > 4 for row in expected_tokens)
+        for _ in range(2):
+            torch.manual_seed(0)
+            assert torch.equal(gpt.generate(tokens, max_new_tokens=11, top_k=1), expected_tokens)
+            assert gpt.generate_decoder.graph is not None and gpt.generate_decoder.cache.dtype == torch.bfloat16
