@@ -34,6 +34,7 @@ from attention.triton_launch import shared_memory_bytes, shared_memory_limit
 from attention.triton_forward import FORWARD_CONFIGS, flash_forward, forward_smem_rows
 from data.shakespeare.prepare import SHAKESPEARE_VOCAB_SIZE
 from model import GPT, GPTConfig
+from training.devices import generation_precision
 from training.train_config import TrainConfig
 
 import triton  # noqa: E402, I001  (after attention, which decides whether Triton interprets)
@@ -324,20 +325,21 @@ DECODE_NEW_TOKENS = 255  # after a 1-token prompt: the 256-token context exactly
 DECODE_RUNS = ("no cache", "KV cache", "KV cache, compiled")
 
 
-def decode_tokens_per_s(model, batch, run):
+def decode_tokens_per_s(model, batch, run, precision):
     """model.generate's tokens/s from a 1-token prompt, and the seconds of a first, untimed run,
     which compiles, tunes and captures; the second run is timed, between synchronisations. Both
     cached runs replay one CUDA graph per token (GPT.generate's StaticDecoder: the decode step,
     the sampling and the feeding back of the drawn token), the compiled one with the step
     compiled by Inductor inside it. The prefill and the no-cache loop stay eager: the no-cache
-    loop meets a new context length, so a new shape, at every token."""
+    loop meets a new context length, so a new shape, at every token. precision: the context to
+    generate under, generation_precision's."""
     prompt = torch.zeros(batch, 1, dtype=torch.long, device="cuda")
     seconds = []
     for _ in range(2):
         torch.manual_seed(0)
         torch.cuda.synchronize()
         start = time.perf_counter()
-        with torch.autocast("cuda", dtype=torch.bfloat16):
+        with precision:
             model.generate(prompt, DECODE_NEW_TOKENS, top_k=1, kv_cache=run != "no cache")
         torch.cuda.synchronize()
         seconds.append(time.perf_counter() - start)
@@ -363,7 +365,8 @@ def graph_gpu_us_per_step(decoder, steps=64):
 
 
 def decode_throughput(out, backends):
-    """Greedy generation with an untrained model of configs/shakespeare.py's shape, bf16, every
+    """Greedy generation with an untrained model of configs/shakespeare.py's shape, its weights
+    cast to bf16 (as sample.py generates in bf16), every
     backend: tokens/s with and without the KV cache, the cached step compiled or not, side by
     side in one process. Writes decode.json and decode.md."""
     config = GPTConfig(block_size=_MODEL.block_size, vocab_size=SHAKESPEARE_VOCAB_SIZE, n_layer=_MODEL.n_layer,
@@ -378,12 +381,13 @@ def decode_throughput(out, backends):
                 model = GPT(replace(config, attn=name))
                 model.load_state_dict(state)
                 model.eval().cuda()
+                precision = generation_precision(model, torch.device("cuda"), torch.bfloat16)  # bf16 weights
                 if run.endswith("compiled"):
                     # Every model compiles the same code object, GPT.decode_step: without a reset,
                     # Dynamo counts each one against that code's recompile limit.
                     torch._dynamo.reset()
                     model.compile_decode_step()
-                row[run], row[run + " first run s"] = decode_tokens_per_s(model, batch, run)
+                row[run], row[run + " first run s"] = decode_tokens_per_s(model, batch, run, precision)
                 if run != "no cache":
                     row[run + " GPU us/step"] = graph_gpu_us_per_step(model.generate_decoder)
                     row[run + " wall us/step"] = 1e6 * batch / row[run]
@@ -394,7 +398,7 @@ def decode_throughput(out, backends):
                                                          f"{row[run + ' wall us/step']:,.0f}" for run in DECODE_RUNS[1:])
                   + ")", flush=True)
     lines = [f"Greedy decoding tokens/s: an untrained configs/shakespeare.py model (block_size {config.block_size}), "
-             f"bf16 autocast, a 1-token prompt and {DECODE_NEW_TOKENS} new tokens; the second of two runs. Both cached "
+             f"bf16 weights, a 1-token prompt and {DECODE_NEW_TOKENS} new tokens; the second of two runs. Both cached "
              "columns replay one CUDA graph per token (the decode step and the sampling); the compiled one compiles "
              "the step first (Inductor). First "
              "runs: the seconds of the untimed first run (compiling, tuning, capturing). GPU / wall: microseconds a "

@@ -154,7 +154,9 @@ class StaticDecoder:
         and value as the first replay will (and never a position past the cache), and they draw
         on a forked RNG, so the replays draw what uncaptured steps would. Autocast's cache of
         cast weights would be freed when autocast exits, under a graph that still reads it: the
-        graph casts instead."""
+        graph casts instead, every weight at every replay. So bf16 generation casts the weights
+        once beforehand and runs without autocast (generation_precision in training/devices.py),
+        and only float16's keeps autocast."""
         autocast = dict(device_type="cuda", dtype=torch.get_autocast_dtype("cuda"),
                         enabled=torch.is_autocast_enabled("cuda"), cache_enabled=False)
         token, pos = self.token.clone(), self.pos.clone()

@@ -11,7 +11,9 @@ keeps every layer's keys and values and feeds one new token per step; --kv_cache
 feeds the whole context every step (see GPT.generate); on a GPU the cached one-token step is a
 CUDA graph, replayed per token. --compile=True compiles that step first (GPT.compile_decode_step:
 one Inductor graph inside the CUDA graph; the first tokens wait for the compile). --benchmark=True prints decode
-tokens/s with and without the cache instead of text. Settings are the SampleConfig fields
+tokens/s with and without the cache instead of text. In bf16 (--dtype=auto on GPUs that have it) the
+weights are cast to bf16 once and generation runs without autocast; float16 keeps them fp32 under
+autocast (training/devices.py, generation_precision). Settings are the SampleConfig fields
 below (see training/configurator.py; `python sample.py --help` lists them).
 
 Exit status: 0 done; 1 an error stopped it (no usable checkpoint, an unreadable prompt file,
@@ -28,7 +30,7 @@ from data.shakespeare.prepare import DenseVocab, PrepareError, load_encoder
 from model import GPT, GPTConfig
 from training.checkpoint import CheckpointError, load_checkpoint
 from training.configurator import ConfigError, choice, parse_config
-from training.devices import DeviceError, autocast, pick_device, pick_dtype, synchronize
+from training.devices import DeviceError, generation_precision, pick_device, pick_dtype, synchronize
 from training.exit_codes import EXIT_BAD_CONFIG
 from training.train_config import TrainConfig, check_attn_head_dim
 
@@ -48,7 +50,7 @@ class SampleConfig:
     compile: bool = False  # compile the one-token decode step (needs kv_cache=True) with Inductor
     benchmark: bool = False  # print decode tokens/s with and without the KV cache (every backend unless --attn)
     device: str = choice("auto", ("auto", "cpu", "cuda"))  # auto: cuda if torch sees a GPU, else cpu
-    dtype: str = choice("auto", ("auto", "float32", "bfloat16", "float16"))  # auto: bf16 or fp16 on a GPU, fp32 on the CPU
+    dtype: str = choice("auto", ("auto", "float32", "bfloat16", "float16"))  # auto: bf16 or fp16 on a GPU, fp32 on the CPU; bf16 casts the weights, fp16 is autocast
 
 
 # A random-init model has the shape of the GPU run (configs/shakespeare.py, train.py's
@@ -110,16 +112,19 @@ def decode(encoder, ids, vocab):
     return encoder.decode(ids if vocab is None else vocab.to_gpt2(ids))
 
 
-def build_model(model_args, state, attn, device, out_dir, compile_decode):
+def build_model(model_args, state, attn, device, dtype, out_dir, compile_decode):
+    """The model ready to generate, and the context to generate under (generation_precision:
+    in bf16 the weights are cast once, in fp16 they stay fp32 under autocast)."""
     model = GPT(replace(model_args, attn=attn, dropout=0.0))
     try:
         model.load_state_dict(state)
     except RuntimeError as e:
         sys.exit(f"error: the weights in {out_dir}/ckpt.pt do not fit the model it describes: {e}")
     model = model.eval().to(device)
+    precision = generation_precision(model, device, dtype)
     if compile_decode:
         model.compile_decode_step()
-    return model
+    return model, precision
 
 
 def can_run(attn, model_args):
@@ -141,14 +146,14 @@ def benchmark(config, model_args, state, prompt_ids, device, dtype):
           f"block_size {model_args.block_size}, {device}, {dtype}" + (", compiled decode step" if config.compile else ""))
     print(f"{'attn':<12}{'no cache tok/s':>16}{'kv cache tok/s':>16}{'speedup':>9}")
     for attn in backends:
-        model = build_model(model_args, state, attn, device, config.out_dir, config.compile)
+        model, precision = build_model(model_args, state, attn, device, dtype, config.out_dir, config.compile)
         tokens_per_s = []
         for kv_cache in (False, True):
             for _ in range(2):  # the first run warms up, the second is timed
                 torch.manual_seed(config.seed)
                 synchronize(device)
                 t0 = time.perf_counter()
-                with autocast(device, dtype):
+                with precision:
                     model.generate(prompt_ids, config.max_new_tokens, config.temperature, config.top_k or None,
                                    kv_cache=kv_cache)
                 synchronize(device)
@@ -197,12 +202,12 @@ def main(argv=None):
         return
 
     attn = model_args.attn if config.attn == "checkpoint" else config.attn
-    model = build_model(model_args, state, attn, device, config.out_dir, config.compile)
+    model, precision = build_model(model_args, state, attn, device, dtype, config.out_dir, config.compile)
     print(f"sampling from {source} with attn={attn}, kv_cache={config.kv_cache}, compile={config.compile} on {device}",
           file=sys.stderr)
     torch.manual_seed(config.seed)
     for _ in range(config.num_samples):
-        with autocast(device, dtype):
+        with precision:
             ids = model.generate(prompt_ids, config.max_new_tokens, config.temperature, config.top_k or None,
                                  kv_cache=config.kv_cache)
         print(decode(encoder, ids[0].tolist(), vocab))

@@ -1,7 +1,8 @@
 """decode_attention: one new query per sequence against a static KV cache, every backend
 against float64 eager, with n_keys a device tensor; sample_next_token, the one sampling function
 of every decoding path; a compiled decode step that draws exactly the tokens of the uncompiled
-one, and writes the cache in place."""
+one, and writes the cache in place; generation with the weights cast to bf16 once (no cast per
+token, the same tokens compiled or not, the cached logits those of the whole context)."""
 import pytest
 import torch
 
@@ -10,6 +11,8 @@ from attention.decode import eager_decode_attention
 from model import GPT, GPTConfig, sample_next_token
 from test_kv_cache import context_sensitive_gpt, prompt
 from torch._dynamo.testing import CompileCounter  # imports triton: after attention, which picks the interpreter
+from torch.utils._python_dispatch import TorchDispatchMode
+from training.devices import generation_precision
 
 TOLERANCE = {torch.float32: 1e-5, torch.float16: 2e-3, torch.bfloat16: 2e-2}
 
@@ -272,3 +275,116 @@ def test_a_cuda_graph_captured_at_the_last_position_of_the_cache():
     expected_tokens = gpt.generate(tokens, max_new_tokens=6, top_k=1, kv_cache=False)
     assert torch.equal(gpt.generate(tokens, max_new_tokens=6, top_k=1), expected_tokens)
     assert len(set(expected_tokens[0, 15:].tolist())) > 3
+
+
+def bf16_generation_gpt(attn, seed=0):
+    """A tiny context-sensitive model (std 0.5 matrices, see context_sensitive_gpt) with a small
+    vocabulary, its weights cast to bf16 for generation as sample.py does on a GPU."""
+    torch.manual_seed(seed)
+    gpt = GPT(GPTConfig(block_size=16, vocab_size=256, n_layer=2, n_head=2, n_embd=32, attn=attn)).eval()
+    with torch.no_grad():
+        for p in gpt.parameters():
+            if p.dim() >= 2:
+                p.normal_(0.0, 0.5)
+    precision = generation_precision(gpt, torch.device("cpu"), torch.bfloat16)
+    return gpt, precision
+
+
+def weight_casts(gpt, step):
+    """The casts (aten._to_copy) of a parameter of gpt while step() runs."""
+    weights = {p.data_ptr() for p in gpt.parameters()}
+    casts = []
+
+    class RecordWeightCasts(TorchDispatchMode):
+        def __torch_dispatch__(self, func, types, args=(), kwargs=None):
+            if func is torch.ops.aten._to_copy.default and args[0].data_ptr() in weights:
+                casts.append(tuple(args[0].shape))
+            return func(*args, **(kwargs or {}))
+
+    with RecordWeightCasts():
+        step()
+    return casts
+
+
+@pytest.mark.parametrize("attn", ["eager", "sdpa"])
+def test_a_bf16_decode_step_reads_the_weights_without_casting_them(attn):
+    # Under autocast a captured decode step casts every weight at every token (StaticDecoder.capture);
+    # generation_precision casts them once, and the step then casts none.
+    gpt, precision = bf16_generation_gpt(attn)
+    assert all(p.dtype == torch.bfloat16 for p in gpt.parameters())
+    assert gpt.lm_head.weight is gpt.transformer.wte.weight  # still tied
+    token, pos = torch.tensor([[7]]), torch.tensor([3])
+    with torch.no_grad(), precision:
+        assert weight_casts(gpt, lambda: gpt.decode_step(token, pos, gpt.new_cache(1))) == []
+    # The detector sees the casts of the setup before: fp32 weights under bf16 autocast.
+    fp32_gpt = GPT(GPTConfig(block_size=16, vocab_size=256, n_layer=2, n_head=2, n_embd=32, attn=attn)).eval()
+    with torch.no_grad(), torch.autocast("cpu", dtype=torch.bfloat16, cache_enabled=False):
+        casts = weight_casts(fp32_gpt, lambda: fp32_gpt.decode_step(token, pos, fp32_gpt.new_cache(1, torch.bfloat16)))
+    assert (256, 32) in casts and (96, 32) in casts and len(casts) >= 9  # lm_head, c_attn, ...: every matmul weight
+
+
+def test_float16_generation_keeps_fp32_weights_under_autocast():
+    gpt = GPT(GPTConfig(block_size=16, vocab_size=256, n_layer=1, n_head=2, n_embd=32)).eval()
+    precision = generation_precision(gpt, torch.device("cpu"), torch.float16)
+    assert all(p.dtype == torch.float32 for p in gpt.parameters())
+    with precision:
+        assert torch.is_autocast_enabled("cpu") and torch.get_autocast_dtype("cpu") == torch.float16
+
+
+@pytest.mark.parametrize("attn", ["eager", "sdpa"])
+def test_bf16_weights_decode_the_tokens_of_a_step_by_step_bf16_decode_compiled_or_not(attn):
+    # Greedy (top_k=1) over bf16 logits meets exact ties, which the exponential race breaks at
+    # random: so each run draws with one seed. The cached decode, uncompiled then compiled
+    # (aot_eager: the same ops), draws the tokens of prefill + decode_step by hand, in bf16
+    # throughout (the cache holds bf16 keys: the weights', there being no autocast).
+    torch._dynamo.reset()
+    gpt, precision = bf16_generation_gpt(attn)
+    tokens = torch.randint(0, 256, (3, 5), generator=torch.Generator().manual_seed(1))
+
+    def seeded(decode):
+        torch.manual_seed(0)
+        with torch.no_grad(), precision:
+            return decode()
+
+    expected_tokens = seeded(lambda: uncaptured_sampled(gpt, tokens, 11, temperature=1.0, top_k=1))
+    assert all(len(set(row[5:].tolist())) > 4 for row in expected_tokens)
+    assert torch.equal(seeded(lambda: gpt.generate(tokens, max_new_tokens=11, top_k=1)), expected_tokens)
+    assert gpt.generate_decoder.cache.dtype == torch.bfloat16
+    gpt.compile_decode_step(backend="aot_eager")
+    assert torch.equal(seeded(lambda: gpt.generate(tokens, max_new_tokens=11, top_k=1)), expected_tokens)
+
+
+@pytest.mark.parametrize("attn", ["eager", "sdpa"])
+def test_bf16_cached_logits_match_the_whole_context_ones(attn):
+    # Token by token through the cache, then the whole context at once, both in bf16: the
+    # logits agree to bf16 rounding (greedy tokens may not: a near tie breaks either way).
+    gpt, precision = bf16_generation_gpt(attn)
+    tokens = torch.randint(0, 256, (2, 14), generator=torch.Generator().manual_seed(2))
+    with torch.no_grad(), precision:
+        cache = gpt.new_cache(2)
+        gpt(tokens[:, :4], cache=cache)
+        for t in range(4, 14):
+            cached, _ = gpt(tokens[:, t:t + 1], cache=cache)
+            whole, _ = gpt(tokens[:, :t + 1])
+            assert cached.dtype == torch.bfloat16
+            scale = whole.float().abs().max()
+            torch.testing.assert_close(cached.float(), whole.float(), atol=0.05 * scale, rtol=0)
+
+
+@pytest.mark.gpu
+@pytest.mark.parametrize("attn", BACKENDS)
+def test_a_cuda_graph_decode_with_bf16_weights_draws_the_tokens_of_the_uncaptured_one(attn):
+    # The graph recorded without autocast (generation_precision's bf16 weights) replays the
+    # step's kernels: with one seed (bf16 logits tie, and the race breaks ties) it draws the
+    # greedy tokens of the same step run token by token, on the recording call and a replaying one.
+    gpt, precision = bf16_generation_gpt(attn)
+    gpt.cuda()
+    tokens = torch.randint(0, 256, (3, 5), generator=torch.Generator().manual_seed(1)).cuda()
+    with torch.no_grad(), precision:
+        torch.manual_seed(0)
+        expected_tokens = uncaptured_sampled(gpt, tokens, 11, temperature=1.0, top_k=1)
+        assert all(len(set(row[5:].tolist())) > 4 for row in expected_tokens)
+        for _ in range(2):
+            torch.manual_seed(0)
+            assert torch.equal(gpt.generate(tokens, max_new_tokens=11, top_k=1), expected_tokens)
+            assert gpt.generate_decoder.graph is not None and gpt.generate_decoder.cache.dtype == torch.bfloat16

@@ -2,7 +2,8 @@
 
 Shared by the scripts so that `device=auto` and `dtype=auto` mean the same everywhere:
 the GPU when there is one, bf16 autocast on GPUs that support it, fp16 (with a gradient
-scaler, see train.py) on older ones, and plain fp32 on the CPU.
+scaler, see train.py) on older ones, and plain fp32 on the CPU. Generation in bf16 casts the
+weights instead of autocasting (generation_precision).
 """
 import contextlib
 
@@ -52,6 +53,24 @@ def autocast(device, dtype):
     if dtype == torch.float32:
         return contextlib.nullcontext()
     return torch.autocast(device_type=device.type, dtype=dtype)
+
+
+def generation_precision(model, device, dtype):
+    """Put model (fp32, on device, before its first generate) in the precision it generates
+    in, and return the context to call model.generate under (reusable, one `with` at a time).
+    bfloat16: the weights themselves become bf16, cast once here, and generation runs without
+    autocast. Under autocast every token would cast every weight from fp32 again, as the
+    decoder's CUDA graph cannot keep autocast's cache of cast weights (StaticDecoder.capture):
+    a read of 4 bytes and a write of 2 per parameter, and a cast kernel per weight, at every
+    token. bf16 has fp32's exponent range, so the residual stream and the logits in bf16
+    overflow only where fp32 would. float16 tops out at 65504: there the weights stay fp32 under
+    autocast, which keeps the embeddings, the residual stream and the LayerNorms in fp32 and
+    rounds only matmul outputs to fp16, as in training (GPUs without bf16 pay the casts).
+    float32: nothing to do."""
+    if dtype == torch.bfloat16:
+        model.to(dtype)
+        return contextlib.nullcontext()
+    return autocast(device, dtype)
 
 
 def synchronize(device):
