@@ -218,9 +218,9 @@ def sweep_configs(out):
     """Time each kernel with every candidate config (a superset of the autotuner's lists) at
     one paper-grid shape per head dim, on both load paths, and print them fastest first."""
     wide = [(a, b, w, s) for a in (64, 128) for b in (32, 64, 128) for w in (4, 8) for s in (2, 3, 4)]
-    bwd = [(a, b, w, s) for a in (16, 32, 64, 128) for b in (32, 64, 128) for w in (4, 8) for s in (2, 3)]
+    bwd = [(a, b, c, w, s) for a in (64, 128) for b in (32, 64, 128) for c in (32, 64) for w in (4, 8) for s in (2, 3)]
     jobs = [("fwd", dict(BLOCK_M=a, BLOCK_N=b), w, s) for a, b, w, s in wide]
-    jobs += [("bwd", dict(BLOCK_M=a, BLOCK_N=b), w, s) for a, b, w, s in bwd]
+    jobs += [("bwd", dict(BLOCK_M=a, BLOCK_N=b, DKDV_BLOCK_M=c), w, s) for a, b, c, w, s in bwd]
     cases = [(D, causal, tma) for D in (64, 128) for causal in (False, True) for tma in (True, False)]
     work = [(kernel, tiles, w, s, D, causal, tma) for D, causal, tma in cases for kernel, tiles, w, s in jobs]
     # Compiling is the slow part and needs no GPU time: compile every config in parallel first.

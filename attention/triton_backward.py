@@ -95,10 +95,10 @@ def _attn_bwd(Q, K, V, dO, dQ, dK, dV, LSE, DELTA,
               stride_dqb, stride_dqh, stride_dqn, stride_dkb, stride_dkh, stride_dkn, stride_dvb, stride_dvh, stride_dvn,
               H, N_Q, N_K, qk_scale, sm_scale,
               IS_CAUSAL: tl.constexpr, HEAD_DIM: tl.constexpr,
-              BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr, USE_TMA: tl.constexpr):
+              BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr, DKDV_BLOCK_M: tl.constexpr, USE_TMA: tl.constexpr):
+    """Key tiles have BLOCK_N rows in both jobs. Query tiles: BLOCK_M rows where a dQ program
+    holds one, DKDV_BLOCK_M rows where a dK/dV program streams them (each job has its best)."""
     bh = tl.program_id(1)
-    Q = head_matrix(Q, bh, H, stride_qb, stride_qh, stride_qn, N_Q, HEAD_DIM, BLOCK_M, USE_TMA)
-    dO = head_matrix(dO, bh, H, stride_dob, stride_doh, stride_don, N_Q, HEAD_DIM, BLOCK_M, USE_TMA)
     K = head_matrix(K, bh, H, stride_kb, stride_kh, stride_kn, N_K, HEAD_DIM, BLOCK_N, USE_TMA)
     V = head_matrix(V, bh, H, stride_vb, stride_vh, stride_vn, N_K, HEAD_DIM, BLOCK_N, USE_TMA)
     LSE += bh * N_Q
@@ -108,7 +108,10 @@ def _attn_bwd(Q, K, V, dO, dQ, dK, dV, LSE, DELTA,
     if tl.program_id(0) < key_tiles:
         # dK, dV of key tile program_id(0). Causal: tile 0 is seen by every query tile, so the
         # programs with the most work start first.
+        # (Triton needs a name to keep one type in both branches: hence streamed_q, not q_matrix.)
         start_n = tl.program_id(0) * BLOCK_N
+        streamed_q = head_matrix(Q, bh, H, stride_qb, stride_qh, stride_qn, N_Q, HEAD_DIM, DKDV_BLOCK_M, USE_TMA)
+        streamed_do = head_matrix(dO, bh, H, stride_dob, stride_doh, stride_don, N_Q, HEAD_DIM, DKDV_BLOCK_M, USE_TMA)
         dk_matrix = head_matrix(dK, bh, H, stride_dkb, stride_dkh, stride_dkn, N_K, HEAD_DIM, BLOCK_N, USE_TMA)
         dv_matrix = head_matrix(dV, bh, H, stride_dvb, stride_dvh, stride_dvn, N_K, HEAD_DIM, BLOCK_N, USE_TMA)
         cols = start_n + tl.arange(0, BLOCK_N)
@@ -116,21 +119,24 @@ def _attn_bwd(Q, K, V, dO, dQ, dK, dV, LSE, DELTA,
         v_tile = load_tile(V, start_n, N_K, stride_vn, BLOCK_N, HEAD_DIM, USE_TMA)
         dk = tl.zeros([BLOCK_N, HEAD_DIM], dtype=tl.float32)
         dv = tl.zeros([BLOCK_N, HEAD_DIM], dtype=tl.float32)
-        start_m, unmasked_start = query_tile_bounds(start_n, N_Q, IS_CAUSAL, BLOCK_M, BLOCK_N)
-        dk, dv = _dkdv_query_tiles(dk, dv, k_tile, v_tile, Q, dO, stride_qn, stride_don, LSE, DELTA, start_m,
-                                   unmasked_start, cols, N_Q, N_K, qk_scale, True, IS_CAUSAL, HEAD_DIM, BLOCK_M,
-                                   USE_TMA)
-        dk, dv = _dkdv_query_tiles(dk, dv, k_tile, v_tile, Q, dO, stride_qn, stride_don, LSE, DELTA, unmasked_start,
-                                   N_Q, cols, N_Q, N_K, qk_scale, False, IS_CAUSAL, HEAD_DIM, BLOCK_M, USE_TMA)
+        start_m, unmasked_start = query_tile_bounds(start_n, N_Q, IS_CAUSAL, DKDV_BLOCK_M, BLOCK_N)
+        dk, dv = _dkdv_query_tiles(dk, dv, k_tile, v_tile, streamed_q, streamed_do, stride_qn, stride_don, LSE, DELTA,
+                                   start_m, unmasked_start, cols, N_Q, N_K, qk_scale, True, IS_CAUSAL, HEAD_DIM,
+                                   DKDV_BLOCK_M, USE_TMA)
+        dk, dv = _dkdv_query_tiles(dk, dv, k_tile, v_tile, streamed_q, streamed_do, stride_qn, stride_don, LSE, DELTA,
+                                   unmasked_start, N_Q, cols, N_Q, N_K, qk_scale, False, IS_CAUSAL, HEAD_DIM,
+                                   DKDV_BLOCK_M, USE_TMA)
         store_tile(dk_matrix, start_n, N_K, stride_dkn, dk * sm_scale, BLOCK_N, HEAD_DIM, USE_TMA)
         store_tile(dv_matrix, start_n, N_K, stride_dvn, dv, BLOCK_N, HEAD_DIM, USE_TMA)
     else:
         # dQ of a query tile, in the forward's order among the query-tile programs.
         start_m = query_tile_start(tl.program_id(0) - key_tiles, tl.num_programs(0) - key_tiles, IS_CAUSAL, BLOCK_M)
+        q_matrix = head_matrix(Q, bh, H, stride_qb, stride_qh, stride_qn, N_Q, HEAD_DIM, BLOCK_M, USE_TMA)
+        do_matrix = head_matrix(dO, bh, H, stride_dob, stride_doh, stride_don, N_Q, HEAD_DIM, BLOCK_M, USE_TMA)
         dq_matrix = head_matrix(dQ, bh, H, stride_dqb, stride_dqh, stride_dqn, N_Q, HEAD_DIM, BLOCK_M, USE_TMA)
         rows = start_m + tl.arange(0, BLOCK_M)
-        q_tile = load_tile(Q, start_m, N_Q, stride_qn, BLOCK_M, HEAD_DIM, USE_TMA)
-        do_tile = load_tile(dO, start_m, N_Q, stride_don, BLOCK_M, HEAD_DIM, USE_TMA)
+        q_tile = load_tile(q_matrix, start_m, N_Q, stride_qn, BLOCK_M, HEAD_DIM, USE_TMA)
+        do_tile = load_tile(do_matrix, start_m, N_Q, stride_don, BLOCK_M, HEAD_DIM, USE_TMA)
         lse = tl.load(LSE + rows, mask=rows < N_Q, other=float("inf")) * KERNEL_LOG2_E  # base 2
         delta = tl.load(DELTA + rows, mask=rows < N_Q, other=0.0)
         dq = tl.zeros([BLOCK_M, HEAD_DIM], dtype=tl.float32)
@@ -143,21 +149,22 @@ def _attn_bwd(Q, K, V, dO, dQ, dK, dV, LSE, DELTA,
 
 
 def backward_smem_rows(config):
-    """A program keeps one tile pair resident (Q and dO, or K and V) and streams the other pair,
-    one per pipeline stage. The launch holds both jobs, so its footprint is the larger job's:
-    the one that streams the larger tiles."""
-    tile_m, tile_n = config.kwargs["BLOCK_M"], config.kwargs["BLOCK_N"]
-    return 2 * min(tile_m, tile_n), 2 * max(tile_m, tile_n)
+    """Per job, the tile pair a program keeps resident and the pair each pipeline stage streams."""
+    tile_m, tile_n, dkdv_tile_m = (config.kwargs[name] for name in ("BLOCK_M", "BLOCK_N", "DKDV_BLOCK_M"))
+    return [(2 * tile_m, 2 * tile_n),  # dQ: Q and dO resident, K and V streamed
+            (2 * tile_n, 2 * dkdv_tile_m)]  # dK, dV: K and V resident, Q and dO streamed
 
 
-# (query tile, key tile, num_warps, num_stages, TMA) the tuner chooses among, best first; the
-# last is the one that fits sm_89 with float32 at D=128.
+# (dQ's query tile, key tile, dK/dV's query tile, num_warps, num_stages, TMA) the tuner chooses
+# among, best first: on the H200 the first was the fastest at D=64 from the model's short
+# sequences to the paper's causal ones, the second at D=128, the third at long full D=64
+# (docs/benchmarks.md). The last is the one that fits sm_89 with float32 at D=128.
 BACKWARD_CONFIGS = [
-    triton.Config({"BLOCK_M": m, "BLOCK_N": n, "USE_TMA": tma}, num_warps=w, num_stages=s)
-    for m, n, w, s, tma in [
-        (64, 64, 4, 2, True), (64, 64, 4, 2, False), (64, 64, 4, 3, True), (32, 64, 4, 2, True), (128, 64, 8, 2, True),
-        (64, 128, 8, 2, True), (64, 64, 4, 3, False), (32, 64, 4, 2, False), (64, 32, 4, 2, False),
-        (128, 64, 8, 2, False), (16, 64, 4, 2, False),
+    triton.Config({"BLOCK_M": m, "BLOCK_N": n, "DKDV_BLOCK_M": dkdv_m, "USE_TMA": tma}, num_warps=w, num_stages=s)
+    for m, n, dkdv_m, w, s, tma in [
+        (64, 64, 32, 4, 2, False), (64, 64, 64, 4, 2, True), (64, 64, 32, 4, 3, True), (64, 32, 64, 4, 2, False),
+        (64, 64, 64, 4, 3, True), (64, 64, 64, 4, 2, False), (64, 32, 32, 4, 2, False), (64, 64, 64, 4, 3, False),
+        (128, 64, 64, 8, 2, True), (64, 16, 16, 4, 2, False),
     ]
 ]
 # delta reads O and dO once: no config to choose (TunedKernel then just keeps the launch cheap).

@@ -9,6 +9,7 @@ import re
 import sys
 import tempfile
 import warnings
+from concurrent.futures import ThreadPoolExecutor
 from typing import NamedTuple
 
 import torch
@@ -118,14 +119,15 @@ SHARED_MEMORY_SLACK_BYTES = 8192
 
 
 def shared_memory_bytes(config, smem_rows, head_dim, element_size):
-    """Shared memory a config needs. smem_rows(config) -> (resident, streamed): how many
-    HEAD_DIM-wide rows a program keeps for its whole life, and how many each pipeline stage
-    holds. TMA keeps num_stages stages in flight; cp.async num_stages - 1 (the stage being
-    computed on has moved to registers). tests/test_triton_configs.py checks this bound
-    against what the compiler allocates for sm_89."""
-    resident, streamed = smem_rows(config)
+    """Shared memory a config needs. smem_rows(config) -> [(resident, streamed), ...], one pair
+    per job a program of the kernel may do: how many HEAD_DIM-wide rows it keeps for its whole
+    life, and how many each pipeline stage holds. The kernel needs what its largest job needs.
+    TMA keeps num_stages stages in flight; cp.async num_stages - 1 (the stage being computed on
+    has moved to registers). tests/test_triton_configs.py checks this bound against what the
+    compiler allocates for sm_89."""
     stages = config.num_stages if config.kwargs["USE_TMA"] else config.num_stages - 1
-    return element_size * head_dim * (resident + stages * streamed) + SHARED_MEMORY_SLACK_BYTES
+    rows = max(resident + stages * streamed for resident, streamed in smem_rows(config))
+    return element_size * head_dim * rows + SHARED_MEMORY_SLACK_BYTES
 
 
 def prune_configs(configs, q, smem_rows):
@@ -190,7 +192,7 @@ def config_fields(config):
 
 
 # How many candidate configs a kernel times at a new tuning key (see TunedKernel.candidates).
-TIMED_CANDIDATES = 2
+TIMED_CANDIDATES = 3
 
 
 class TunedKernel:
@@ -273,6 +275,7 @@ class TunedKernel:
 
     def fastest_config(self, candidates, grid, args, constexprs):
         self.tunings += 1
+        self.compile_side_by_side(candidates, grid, args, constexprs)
 
         def median_ms(config):
             try:
@@ -285,3 +288,12 @@ class TunedKernel:
             except (triton.runtime.errors.OutOfResources, triton.runtime.errors.PTXASError):
                 return float("inf")  # a limit of this card the shared-memory estimate missed: skip the config
         return min(candidates, key=median_ms)
+
+    def compile_side_by_side(self, candidates, grid, args, constexprs):
+        """Compile every candidate at once, on threads (Triton's AsyncCompileMode): compiling a
+        config costs far more than timing it, and three compiled side by side took less time
+        than two one after the other (docs/benchmarks.md, "Tuning cost"). A config the card
+        cannot hold fails here quietly and again, caught, when timed."""
+        with ThreadPoolExecutor(len(candidates)) as pool, triton.AsyncCompileMode(pool, ignore_errors=True):
+            for config in candidates:
+                self.kernel.warmup(*args, grid=grid, **constexprs, **config.all_kwargs())

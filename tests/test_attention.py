@@ -166,6 +166,10 @@ class FakeKernel:
 
     def __init__(self):
         self.launches = []
+        self.compiled_configs = []  # BLOCK_M of each warmup (TunedKernel compiles candidates before timing)
+
+    def warmup(self, *args, grid, **kwargs):
+        self.compiled_configs.append(kwargs["BLOCK_M"])
 
     def __getitem__(self, grid):
         def full_launch(*args, **kwargs):
@@ -184,7 +188,7 @@ class FakeKernel:
 
 def test_tuned_kernel_reuses_a_compiled_kernel_only_for_the_same_launch():
     kernel = FakeKernel()
-    tuned = TunedKernel(kernel, [triton.Config({"BLOCK_M": 16, "BLOCK_N": 16, "USE_TMA": False})], lambda config: (0, 0))
+    tuned = TunedKernel(kernel, [triton.Config({"BLOCK_M": 16, "BLOCK_N": 16, "USE_TMA": False})], lambda config: [(0, 0)])
     x = torch.randn(64, 16)
     grid = lambda meta: (64 // meta["BLOCK_M"], 1)
     key = TuningKey(64, 64, 16, True, torch.float32)
@@ -200,7 +204,7 @@ def test_tuned_kernel_reuses_a_compiled_kernel_only_for_the_same_launch():
 
 
 TIMING_CONFIGS = [triton.Config({"BLOCK_M": m, "BLOCK_N": n, "USE_TMA": False}, num_warps=4, num_stages=2)
-                  for m, n in ((16, 16), (32, 16), (128, 16))]
+                  for m, n in ((16, 16), (32, 16), (128, 16), (64, 16))]
 
 
 @pytest.fixture
@@ -224,30 +228,31 @@ def timed_configs(tmp_path, monkeypatch):
 def test_tuning_is_persisted_and_a_second_process_does_not_tune(timed_configs, tmp_path):
     x, grid = torch.randn(64, 16), lambda meta: (1, 1)
     key = TuningKey(128, 128, 16, True, torch.float32)
-    first = TunedKernel(FakeKernel(), TIMING_CONFIGS, lambda config: (0, 0))
+    first = TunedKernel(FakeKernel(), TIMING_CONFIGS, lambda config: [(0, 0)])
     first(grid, key, x, 64)
     first(grid, key, x, 64)
-    # Once per key, and only the first TIMED_CANDIDATES (2) of the list, though every tile fits N = 128.
-    assert first.tunings == 1 and timed_configs == [16, 32]
+    # Once per key, and only the first TIMED_CANDIDATES (3) of the list, though every tile fits N = 128;
+    # each compiled before any is timed.
+    assert first.tunings == 1 and timed_configs == [16, 32, 128] and first.kernel.compiled_configs == [16, 32, 128]
     assert FakeKernel.last_config["BLOCK_M"] == 32
     [path] = tmp_path.glob("tuning-*.json")
     assert "torch" in path.name and "triton" in path.name
     saved = {"BLOCK_M": 32, "BLOCK_N": 16, "USE_TMA": False, "num_warps": 4, "num_stages": 2}
     assert json.loads(path.read_text()) == {f"fake_kernel {tuple(key)}": saved}
-    second = TunedKernel(FakeKernel(), TIMING_CONFIGS, lambda config: (0, 0))  # all a new process has: the file
+    second = TunedKernel(FakeKernel(), TIMING_CONFIGS, lambda config: [(0, 0)])  # all a new process has: the file
     second(grid, key, x, 64)
-    assert second.tunings == 0 and len(timed_configs) == 2 and FakeKernel.last_config["BLOCK_M"] == 32
+    assert second.tunings == 0 and len(timed_configs) == 3 and FakeKernel.last_config["BLOCK_M"] == 32
     # A short sequence does not time tiles longer than itself.
     second(grid, TuningKey(16, 16, 16, True, torch.float32), x, 64)
     assert second.tunings == 0 and FakeKernel.last_config["BLOCK_M"] == 16  # the only candidate left
     second(grid, TuningKey(32, 64, 16, True, torch.float32), x, 64)
-    assert second.tunings == 1 and timed_configs[2:] == [16, 32]
+    assert second.tunings == 1 and timed_configs[3:] == [16, 32]
     assert len(json.loads(path.read_text())) == 2  # both choices kept
 
 
 def test_tuning_never_times_inside_a_cuda_graph_capture(timed_configs, monkeypatch):
     monkeypatch.setattr(triton_launch, "capturing", lambda device: True)
-    tuned = TunedKernel(FakeKernel(), TIMING_CONFIGS, lambda config: (0, 0))
+    tuned = TunedKernel(FakeKernel(), TIMING_CONFIGS, lambda config: [(0, 0)])
     tuned(lambda meta: (1, 1), TuningKey(64, 64, 16, True, torch.float32), torch.randn(64, 16), 64)
     assert tuned.tunings == 0 and timed_configs == [] and tuned.kernel.launches == ["full"]
     assert FakeKernel.last_config["BLOCK_M"] == 16  # the first candidate
@@ -360,6 +365,8 @@ def test_triton_kernels_with_explicit_tiles(block_m, block_n, is_causal, use_tma
     o_ref, lse_ref, dq_ref, dk_ref, dv_ref = reference(q, k, v, is_causal, do)
     assert_close(o, o_ref, 1e-4, "O")
     assert_close(lse, lse_ref, 1e-5, "L")
+    # The dK/dV job streams query tiles of its own size: here block_n, unlike the dQ job's block_m.
+    config = triton.Config({"BLOCK_M": block_m, "BLOCK_N": block_n, "DKDV_BLOCK_M": block_n, "USE_TMA": use_tma})
     dq, dk, dv = flash_backward(q, k, v, o, do, lse, is_causal, config=config)
     for name, got, ref in (("dQ", dq, dq_ref), ("dK", dk, dk_ref), ("dV", dv, dv_ref)):
         assert_close(got, ref, 1e-4, name)
