@@ -91,7 +91,10 @@ def sample_next_token(logits, vocab_size, temperature=1.0, top_k=None):
     token of probability 0 can never win; top_k=1 therefore draws the argmax exactly."""
     logits = logits[:, :vocab_size].float() / temperature
     if top_k is not None:
-        kth = torch.topk(logits, min(top_k, vocab_size)).values[:, -1:]  # a list index would copy from the host
+        # The k-th largest logit (a slice: a list index would copy from the host). For k = 1 it is
+        # the max, which a reduction finds several times faster than topk's selection.
+        k = min(top_k, vocab_size)
+        kth = logits.amax(dim=-1, keepdim=True) if k == 1 else torch.topk(logits, k).values[:, -1:]
         logits = logits.masked_fill(logits < kth, float("-inf"))
     probs = F.softmax(logits, dim=-1)
     race = torch.empty_like(probs).exponential_(1).clamp_min_(torch.finfo(probs.dtype).tiny)

@@ -8,9 +8,9 @@ replay it while the cache fills.
 
 A decode step has one query row, so there is no matrix product to give tensor cores: the
 scores are a broadcast multiply and a row sum, in float32. There is no split-K ("flash-
-decoding") either: at the model's shapes (a block_size of a few hundred tokens) each program
-reads a few hundred rows of keys and values, and what a decode step waits on is the host,
-not this kernel.
+decoding") either: at the model's shapes (a block_size of a few hundred tokens) a program
+reads the cache in one or two large tiles, and what the kernel waits on is the latency of
+those loads, which larger tiles cut and more programs would not.
 """
 import torch
 import triton
@@ -58,9 +58,10 @@ def _decode_attn(Q, K, V, O, N_KEYS,
 
 
 # One fixed config rather than a tuned one: the tuning would time candidates at the first call of
-# each shape, which must never happen inside a CUDA graph capture, and at one query row the
-# choice hardly matters (the kernel reads each cached row once).
-DECODE_BLOCK_N = 64
+# each shape, which must never happen inside a CUDA graph capture. Tiles of 256 keys at D=64
+# were the fastest on the H200 (docs/benchmarks.md, "Decoding"); other head dims keep the
+# tile's 16K elements, so that each thread holds as many values.
+DECODE_TILE_ELEMENTS = 16384
 DECODE_NUM_WARPS = 4
 
 
@@ -77,7 +78,7 @@ def triton_decode_attention(q: torch.Tensor, k_cache: torch.Tensor, v_cache: tor
                            q.stride(0), q.stride(1), *k_cache.stride()[:3], *v_cache.stride()[:3],
                            o.stride(0), o.stride(1), n_keys.stride(0),
                            H, k_cache.shape[2], D ** -0.5 * LOG2_E,
-                           HEAD_DIM=D, BLOCK_N=DECODE_BLOCK_N, num_warps=DECODE_NUM_WARPS)
+                           HEAD_DIM=D, BLOCK_N=DECODE_TILE_ELEMENTS // D, num_warps=DECODE_NUM_WARPS)
     return o
 
 
