@@ -21,6 +21,7 @@ import torch.nn.functional as F
 
 from .eager import masked_attention_with_lse
 from .inputs import check_inputs, check_triton_inputs
+from .tiled import online_softmax_update
 from .triton_decode import triton_decode_attention
 
 
@@ -48,9 +49,9 @@ def eager_decode_attention(q, k_cache, v_cache, n_keys):
 
 
 def tiled_decode_attention(q, k_cache, v_cache, n_keys, tile_size=64):
-    """tiled.py's online softmax for one query row: walk the cache in key tiles, keeping the
-    running max m_i, sum l_i and unnormalised output acc. S is static, so every tile is visited
-    and masked past n_keys (tile 0 always holds a visible key, as n_keys >= 1)."""
+    """tiled.py's online softmax for one query row: walk the cache in key tiles, each folded
+    into the running (m_i, l_i, acc) by tiled.online_softmax_update. S is static, so every
+    tile is visited and masked past n_keys (tile 0 always holds a visible key, as n_keys >= 1)."""
     compute = torch.float64 if q.dtype == torch.float64 else torch.float32
     q_row = q.to(compute) / math.sqrt(q.shape[-1])
     visible = key_visible(n_keys, q.shape[0], k_cache.shape[2])
@@ -61,12 +62,7 @@ def tiled_decode_attention(q, k_cache, v_cache, n_keys, tile_size=64):
         k_end = min(k_start + tile_size, k_cache.shape[2])
         scores = q_row @ k_cache[:, :, k_start:k_end].to(compute).transpose(-2, -1)
         scores = scores.masked_fill(~visible[..., k_start:k_end], float("-inf"))
-        m_new = torch.maximum(m_i, scores.amax(dim=-1))
-        p = torch.exp(scores - m_new[..., None])  # a wholly masked tile: exp(-inf) = 0
-        alpha = torch.exp(m_i - m_new)
-        l_i = alpha * l_i + p.sum(dim=-1)
-        acc = alpha[..., None] * acc + p.to(v_cache.dtype).to(compute) @ v_cache[:, :, k_start:k_end].to(compute)
-        m_i = m_new
+        m_i, l_i, acc = online_softmax_update(m_i, l_i, acc, scores, v_cache[:, :, k_start:k_end])
     return (acc / l_i[..., None]).to(q.dtype)
 
 

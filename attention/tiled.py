@@ -28,6 +28,18 @@ from .tile_bounds import check_tile_sizes, key_tile_bounds, visible_in_tile
 from .tiled_backward import tiled_backward
 
 
+def online_softmax_update(m_i, l_i, acc, s, v_tile):
+    """Fold one tile of scores s (..., rows, keys), hidden ones -inf, and its values v_tile
+    (..., keys, D) into each row's running max m_i, sum l_i and unnormalised output acc, and
+    return the three. A wholly hidden tile changes nothing, as long as the row has seen a key."""
+    m_new = torch.maximum(m_i, s.amax(dim=-1))
+    p = torch.exp(s - m_new[..., None])
+    alpha = torch.exp(m_i - m_new)  # rescales what was accumulated against m_old
+    l_i = alpha * l_i + p.sum(dim=-1)
+    pv = einsum(p.to(v_tile.dtype), v_tile, "... i j, ... j d -> ... i d")
+    return m_new, l_i, alpha[..., None] * acc + pv.to(acc.dtype)
+
+
 def tiled_forward(Q, K, V, is_causal=False, tile_m=64, tile_n=64):
     """O (Q's shape and dtype) and lse (Q.shape[:-1], float32), one tile pair at a time."""
     check_tile_sizes(tile_m, tile_n)
@@ -51,13 +63,7 @@ def tiled_forward(Q, K, V, is_causal=False, tile_m=64, tile_n=64):
             s = einsum(q_tile, k_tile, "... i d, ... j d -> ... i j") * scale
             if is_causal and k_start >= unmasked_end:  # the tile crosses the diagonal
                 s = s.masked_fill(~visible_in_tile(q_start, q_end, k_start, k_end, Q.device), float("-inf"))
-            m_new = torch.maximum(m_i, s.amax(dim=-1))
-            p = torch.exp(s - m_new[..., None])
-            alpha = torch.exp(m_i - m_new)  # rescales what was accumulated against m_old
-            l_i = alpha * l_i + p.sum(dim=-1)
-            pv = einsum(p.to(V.dtype), v_tile, "... i j, ... j d -> ... i d")
-            acc = alpha[..., None] * acc + pv.to(compute)
-            m_i = m_new
+            m_i, l_i, acc = online_softmax_update(m_i, l_i, acc, s, v_tile)
         # A row that saw no key (only when N_k == 0) has l_i == 0: output zeros, lse = -inf.
         O[..., q_start:q_end, :] = (acc / l_i.clamp_min(torch.finfo(compute).tiny)[..., None]).to(Q.dtype)
         lse[..., q_start:q_end] = (m_i + torch.log(l_i)).float()
