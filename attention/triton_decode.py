@@ -9,8 +9,8 @@ replay it while the cache fills.
 A decode step has one query row, so there is no matrix product to give tensor cores: the
 scores are a broadcast multiply and a row sum, in float32. There is no split-K ("flash-
 decoding") either: at the model's shapes (a block_size of a few hundred tokens) a program
-reads the cache in one or two large tiles, and what the kernel waits on is the latency of
-those loads, which larger tiles cut and more programs would not.
+reads the cache in one or two large tiles, and the kernel waits on those loads' latency,
+which larger tiles cut (docs/benchmarks.md, "Decoding"); we did not try splitting the keys.
 """
 import torch
 import triton
