@@ -28,10 +28,10 @@ The files, in reading order:
   eager.py               the definition: softmax(Q K^T / sqrt(D)) V, and the causal rule
   tile_bounds.py         which tiles a program visits, and the mask inside a tile
   tiled.py               the tiled forward in PyTorch (the online softmax)
-  tiled_backward.py      the tiled backward in PyTorch: a dQ pass, then a dK/dV pass
+  tiled_backward.py      the tiled backward in PyTorch: delta, a dK/dV pass, a dQ pass
   triton_tiles.py        the @triton.jit helpers both kernels share (bounds, mask, loads, stores)
   triton_forward.py      the forward kernel
-  triton_backward.py     the backward kernels, dQ then dK/dV
+  triton_backward.py     the backward kernels: delta, then both passes in one launch
   triton_ops.py          the kernels as torch.library custom operators, with their autograd
   triton_launch.py       the host side of a launch: layouts, device checks, config tuning
   recompute_backward.py  triton_fwd's backward, the step before the FlashAttention-2 backward

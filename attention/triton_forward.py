@@ -82,11 +82,12 @@ def forward_smem_rows(config):
     return [(config.kwargs["BLOCK_M"], 2 * config.kwargs["BLOCK_N"])]
 
 
-# The tuner's choices, best first (TunedKernel times only the first few that fit). Besides tile
-# sizes, warps and pipeline depth, the load path is a knob. On the H200 the leaders each win
-# somewhere: 64x128 with TMA the long D=64 sequences, 128x64 with TMA D=128, 64x64 with
-# cp.async the model's short ones, 128x64 with cp.async the D=64 causal paper shapes; cards
-# without TMA keep the cp.async configs. docs/optimisation.md and docs/benchmarks.md have the numbers.
+# The tuner's choices, best first (TunedKernel times only the first TIMED_CANDIDATES that fit).
+# Besides tile sizes, warps and pipeline depth, the load path is a knob. On the H200 the three
+# timed there each win somewhere: 64x128 with TMA the long D=64 sequences, 128x64 with TMA
+# D=128, 64x64 with cp.async the model's short ones. Cards without TMA keep the cp.async
+# configs, of which the first three are timed. docs/optimisation.md and docs/benchmarks.md
+# have the numbers.
 FORWARD_CONFIGS = [
     triton.Config({"BLOCK_M": bm, "BLOCK_N": bn, "USE_TMA": tma}, num_warps=w, num_stages=s)
     for bm, bn, w, s, tma in [
