@@ -33,7 +33,7 @@ from attention.triton_backward import backward_smem_rows, flash_backward
 from attention.triton_launch import shared_memory_bytes, shared_memory_limit
 from attention.triton_forward import FORWARD_CONFIGS, flash_forward, forward_smem_rows
 from data.shakespeare.prepare import SHAKESPEARE_VOCAB_SIZE
-from model import GPT, GPTConfig
+from model import GPT
 from training.devices import generation_precision
 from training.train_config import TrainConfig
 
@@ -369,8 +369,7 @@ def decode_throughput(out, backends):
     cast to bf16 (as sample.py generates in bf16), every
     backend: tokens/s with and without the KV cache, the cached step compiled or not, side by
     side in one process. Writes decode.json and decode.md."""
-    config = GPTConfig(block_size=_MODEL.block_size, vocab_size=SHAKESPEARE_VOCAB_SIZE, n_layer=_MODEL.n_layer,
-                       n_head=_MODEL.n_head, n_embd=_MODEL.n_embd, bias=_MODEL.bias)
+    config = _MODEL.model_config(SHAKESPEARE_VOCAB_SIZE)
     torch.manual_seed(0)
     state = GPT(config).state_dict()
     rows = []

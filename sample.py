@@ -56,8 +56,7 @@ class SampleConfig:
 # A random-init model has the shape of the GPU run (configs/shakespeare.py, train.py's
 # defaults), for timing decoding without training first.
 _GPU_RUN = TrainConfig()
-RANDOM_MODEL = GPTConfig(block_size=_GPU_RUN.block_size, n_layer=_GPU_RUN.n_layer, n_head=_GPU_RUN.n_head,
-                         n_embd=_GPU_RUN.n_embd, bias=_GPU_RUN.bias)  # over GPT-2's own ids: no mapping to decode
+RANDOM_MODEL = _GPU_RUN.model_config(GPTConfig.vocab_size)  # over GPT-2's own ids: no mapping to decode
 # Sampling divides the logits by the temperature. Much below this, logits / temperature
 # overflows (float16 logits under autocast pass 65504 once |logit| > 655 here) and the
 # softmax turns NaN; and by then sampling is greedy in effect, which --top_k=1 does exactly.

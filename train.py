@@ -166,9 +166,7 @@ def start_device(config, world):
 
 def build_model(config, vocab_size, device, dtype):
     """A freshly initialised model on `device`, with its optimizer and gradient scaler."""
-    model_args = GPTConfig(block_size=config.block_size, vocab_size=vocab_size, n_layer=config.n_layer,
-                           n_head=config.n_head, n_embd=config.n_embd, dropout=config.dropout, bias=config.bias,
-                           attn=config.attn)
+    model_args = config.model_config(vocab_size)
     model = GPT(model_args).to(device)
     optimizer = model.configure_optimizers(config.weight_decay, config.learning_rate,
                                            (config.beta1, config.beta2), device.type)

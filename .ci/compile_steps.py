@@ -18,6 +18,7 @@ import argparse
 import statistics
 import sys
 import time
+from dataclasses import replace
 from pathlib import Path
 
 sys.path.insert(0, str(Path(__file__).resolve().parent.parent))
@@ -25,7 +26,7 @@ sys.path.insert(0, str(Path(__file__).resolve().parent.parent))
 import torch  # noqa: E402
 
 from data.shakespeare.prepare import SHAKESPEARE_VOCAB_SIZE as VOCAB_SIZE  # noqa: E402
-from model import GPT, GPTConfig, compile_model  # noqa: E402
+from model import GPT, compile_model  # noqa: E402
 from training.train_config import TrainConfig  # noqa: E402
 
 DEFAULT = TrainConfig()
@@ -58,8 +59,7 @@ def gpu_ms_per_step(step, steps=5):
 def measure(backend, mode, block_size, tokens):
     torch.manual_seed(0)
     batch = max(1, tokens // block_size)
-    model = GPT(GPTConfig(block_size=block_size, vocab_size=VOCAB_SIZE, n_layer=DEFAULT.n_layer, n_head=DEFAULT.n_head,
-                          n_embd=DEFAULT.n_embd, dropout=0.0, bias=DEFAULT.bias, attn=backend)).cuda()
+    model = GPT(replace(DEFAULT.model_config(VOCAB_SIZE), block_size=block_size, dropout=0.0, attn=backend)).cuda()
     optimizer = model.configure_optimizers(0.1, 1e-4, (0.9, 0.99), "cuda")
     compiled = mode != "none"
     run = compile_model(model, mode) if compiled else model

@@ -36,9 +36,7 @@ from training.train_config import TrainConfig  # noqa: E402
 
 SETUPS = ("old", "new")
 SETUP_NAMES = {"old": "fp32 weights + bf16 autocast", "new": "bf16 weights, no autocast"}
-_MODEL = TrainConfig()
-DEFAULT_CONFIG = GPTConfig(block_size=_MODEL.block_size, vocab_size=SHAKESPEARE_VOCAB_SIZE, n_layer=_MODEL.n_layer,
-                           n_head=_MODEL.n_head, n_embd=_MODEL.n_embd, bias=_MODEL.bias)
+DEFAULT_CONFIG = TrainConfig().model_config(SHAKESPEARE_VOCAB_SIZE)
 SMOKE_CONFIG = GPTConfig(block_size=32, vocab_size=200, n_layer=2, n_head=2, n_embd=64, bias=False)
 
 

@@ -7,6 +7,7 @@ from dataclasses import dataclass
 from attention import BACKENDS
 from attention.inputs import TRITON_HEAD_DIMS
 from data.shakespeare.prepare import DEFAULT_OUT_DIR as DEFAULT_DATA_DIR
+from model import GPTConfig
 from training.configurator import ConfigError, choice
 
 TRITON_BACKENDS = ("triton", "triton_fwd")
@@ -77,6 +78,11 @@ class TrainConfig:
     profile: bool = False  # profile a few steady steps with torch.profiler into out_dir/profile.json (profiling.py)
     max_memory_gb: float = 0.0  # cap torch's CUDA memory at this many GiB, e.g. 12 to act as a 12 GB card; 0: no cap
     seed: int = 1337  # seeds the weights, dropout and batches (process rank uses seed + rank)
+
+    def model_config(self, vocab_size):
+        """The GPTConfig of the model these settings train, over vocab_size token ids."""
+        return GPTConfig(block_size=self.block_size, vocab_size=vocab_size, n_layer=self.n_layer, n_head=self.n_head,
+                         n_embd=self.n_embd, dropout=self.dropout, bias=self.bias, attn=self.attn)
 
 
 def check_config(config, world_size=1):
