@@ -325,6 +325,22 @@ DECODE_NEW_TOKENS = 255  # after a 1-token prompt: the 256-token context exactly
 DECODE_RUNS = ("no cache", "KV cache", "KV cache, compiled")
 
 
+def decode_model(config, state, backend, compiled):
+    """The model decode_throughput times: config with the given attention backend and weights,
+    on the GPU in eval mode, its weights cast to bf16 once (as sample.py generates in bf16), its
+    decode step compiled when asked. Returns it and the context to generate under."""
+    model = GPT(replace(config, attn=backend))
+    model.load_state_dict(state)
+    model.eval().cuda()
+    precision = generation_precision(model, torch.device("cuda"), torch.bfloat16)
+    if compiled:
+        # Every model compiles the same code object, GPT.decode_step: without a reset, Dynamo
+        # counts each one against that code's recompile limit.
+        torch._dynamo.reset()
+        model.compile_decode_step()
+    return model, precision
+
+
 def decode_tokens_per_s(model, batch, run, precision):
     """model.generate's tokens/s from a 1-token prompt, and the seconds of a first, untimed run,
     which compiles, tunes and captures; the second run is timed, between synchronisations. Both
@@ -377,15 +393,7 @@ def decode_throughput(out, backends):
         for batch in DECODE_BATCHES:
             row = dict(backend=name, batch=batch)
             for run in DECODE_RUNS:
-                model = GPT(replace(config, attn=name))
-                model.load_state_dict(state)
-                model.eval().cuda()
-                precision = generation_precision(model, torch.device("cuda"), torch.bfloat16)  # bf16 weights
-                if run.endswith("compiled"):
-                    # Every model compiles the same code object, GPT.decode_step: without a reset,
-                    # Dynamo counts each one against that code's recompile limit.
-                    torch._dynamo.reset()
-                    model.compile_decode_step()
+                model, precision = decode_model(config, state, name, compiled=run.endswith("compiled"))
                 row[run], row[run + " first run s"] = decode_tokens_per_s(model, batch, run, precision)
                 if run != "no cache":
                     row[run + " GPU us/step"] = graph_gpu_us_per_step(model.generate_decoder)
