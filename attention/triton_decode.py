@@ -16,7 +16,7 @@ import torch
 import triton
 import triton.language as tl
 
-from .triton_launch import check_kernel_device
+from .triton_launch import check_kernel_device, define_operator
 
 LOG2_E = 1.4426950408889634
 
@@ -65,12 +65,7 @@ DECODE_TILE_ELEMENTS = 16384
 DECODE_NUM_WARPS = 4
 
 
-@torch.library.custom_op("nanofa2::triton_decode_attention", mutates_args=())
-def triton_decode_attention(q: torch.Tensor, k_cache: torch.Tensor, v_cache: torch.Tensor,
-                            n_keys: torch.Tensor) -> torch.Tensor:
-    """q (B, H, 1, D), k_cache and v_cache (B, H, S, D) with unit stride along D, n_keys (B,)
-    integers: O (B, H, 1, D). An opaque operator (torch.compile keeps it as one node of its
-    graph and never traces into Triton's launcher), so a compiled decode step is one graph."""
+def _decode_attention(q, k_cache, v_cache, n_keys):
     check_kernel_device(q)
     B, H, _, D = q.shape
     o = torch.empty_like(q)
@@ -82,6 +77,9 @@ def triton_decode_attention(q: torch.Tensor, k_cache: torch.Tensor, v_cache: tor
     return o
 
 
-@triton_decode_attention.register_fake
-def _(q, k_cache, v_cache, n_keys):
-    return torch.empty_like(q)
+# q (B, H, 1, D), k_cache and v_cache (B, H, S, D) with unit stride along D, n_keys (B,)
+# integers: O (B, H, 1, D). An opaque operator (torch.compile keeps it as one node of its graph
+# and never traces into Triton's launcher), so a compiled decode step is one graph.
+triton_decode_attention = define_operator(
+    "triton_decode_attention", "(Tensor q, Tensor k_cache, Tensor v_cache, Tensor n_keys) -> Tensor",
+    _decode_attention, lambda q, k_cache, v_cache, n_keys: torch.empty_like(q))

@@ -82,6 +82,22 @@ def _caller_stacklevel():
     return level
 
 
+# The operators torch.ops.nanofa2.* (triton_ops.py, triton_decode.py), defined with torch.library's
+# low-level API rather than the torch.library.custom_op decorator, whose Python wrapper around
+# each call adds host time (docs/benchmarks.md, "The operators' host cost").
+OPERATORS = torch.library.Library("nanofa2", "DEF")
+
+
+def define_operator(name, schema, kernel, fake):
+    """torch.ops.nanofa2.<name>(<schema>): kernel on CPU (the interpreter) and CUDA, fake for the
+    compiler (outputs' shapes and strides, without running it). Returns the operator."""
+    OPERATORS.define(name + schema)
+    for device in ("CPU", "CUDA"):
+        OPERATORS.impl(name, kernel, device)
+    torch.library.register_fake(f"nanofa2::{name}", fake, lib=OPERATORS)
+    return getattr(torch.ops.nanofa2, name).default
+
+
 def has_tma(device):
     """Hopper (sm_90) and newer copy tiles with the TMA engine; older cards use cp.async."""
     return device.type == "cuda" and torch.cuda.get_device_capability(device)[0] >= 9

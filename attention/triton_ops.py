@@ -5,10 +5,17 @@
 `triton_fwd` triton_fwd_attention: Triton forward, PyTorch recompute backward
              (recompute_backward.py), kept so the two backwards can be compared.
 
-Every kernel call is a `torch.library.custom_op` (torch.ops.nanofa2.*) with a fake
-implementation, which tells torch.compile its outputs' shapes and strides without running it,
-and `register_autograd`, which ties each forward to its backward. A compiled model with these
-backends is therefore one graph (`torch.compile(model, fullgraph=True)`), CUDA graphs included.
+Every kernel call is a PyTorch custom operator (torch.ops.nanofa2.*, define_operator in
+triton_launch.py) with a fake implementation, which tells torch.compile its outputs' shapes and
+strides without running it, and `register_autograd`, which ties each forward to its backward.
+A compiled model with these backends is therefore one graph (`torch.compile(model,
+fullgraph=True)`), CUDA graphs included.
+
+Two routes to the same kernels: while torch.compile traces, the backends call the operators,
+which the graph needs; otherwise they call the kernels through an autograd.Function
+(TritonAttention), saving the same tensors and computing the same gradients. At the model's
+shapes the host, not the GPU, sets the pace, and the operators' autograd layer costs the host
+more per call than the kernels cost the GPU (docs/benchmarks.md, "The operators' host cost").
 
 The ops are opaque on every device: the compiler schedules around them but does not look
 inside. `torch.library.triton_op`, which lets Inductor see the kernels, was not chosen:
@@ -30,13 +37,12 @@ Double backward is not supported: the backward ops' own gradient raises a clear 
 than give a wrong number (the saved lse's gradient is not modelled).
 """
 import torch
-from torch import Tensor
 
 from .inputs import check_inputs, check_triton_inputs, unpack_heads
 from .recompute_backward import recompute_backward
 from .triton_backward import flash_backward
 from .triton_forward import flash_forward
-from .triton_launch import as_4d, check_kernel_device, descriptor_ready, tma_describable
+from .triton_launch import OPERATORS, as_4d, check_kernel_device, define_operator, descriptor_ready, tma_describable
 
 
 def new_output_like(t):
@@ -60,7 +66,7 @@ def _lse_for_kernels(lse, q):
 
 # ---------------------------------------------------------------- the operators
 
-def _attention_forward(q: Tensor, k: Tensor, v: Tensor, is_causal: bool) -> tuple[Tensor, Tensor]:
+def _attention_forward(q, k, v, is_causal):
     check_kernel_device(q)
     o, lse = _new_attention_outputs(q)
     flash_forward(descriptor_ready(q), descriptor_ready(k), descriptor_ready(v), is_causal, out=(o, lse))
@@ -73,15 +79,14 @@ def _attention_forward_fake(q, k, v, is_causal):
 
 
 # One forward, two operators: the backend names which backward autograd runs.
-_triton_forward_op = torch.library.custom_op("nanofa2::triton_attention", _attention_forward, mutates_args=())
-_triton_fwd_forward_op = torch.library.custom_op("nanofa2::triton_fwd_attention", _attention_forward, mutates_args=())
-_triton_forward_op.register_fake(_attention_forward_fake)
-_triton_fwd_forward_op.register_fake(_attention_forward_fake)
+_FORWARD_SCHEMA = "(Tensor q, Tensor k, Tensor v, bool is_causal) -> (Tensor, Tensor)"
+_triton_forward_op = define_operator("triton_attention", _FORWARD_SCHEMA, _attention_forward, _attention_forward_fake)
+_triton_fwd_forward_op = define_operator("triton_fwd_attention", _FORWARD_SCHEMA, _attention_forward,
+                                         _attention_forward_fake)
+_BACKWARD_SCHEMA = "(Tensor q, Tensor k, Tensor v, Tensor o, Tensor do, Tensor lse, bool is_causal) -> (Tensor, Tensor, Tensor)"
 
 
-@torch.library.custom_op("nanofa2::triton_attention_backward", mutates_args=())
-def _triton_backward_op(q: Tensor, k: Tensor, v: Tensor, o: Tensor, do: Tensor, lse: Tensor,
-                        is_causal: bool) -> tuple[Tensor, Tensor, Tensor]:
+def _attention_backward(q, k, v, o, do, lse, is_causal):
     dq, dk, dv = (new_output_like(as_4d(t)) for t in (q, k, v))
     flash_backward(*(descriptor_ready(t) for t in (q, k, v, o, do)), _lse_for_kernels(lse, q), is_causal,
                    out=(dq, dk, dv))
@@ -92,22 +97,21 @@ def _gradients_fake(q, k, v, o, do, lse, is_causal):
     return tuple(new_output_like(as_4d(t)).view(t.shape) for t in (q, k, v))
 
 
-_triton_backward_op.register_fake(_gradients_fake)
+_triton_backward_op = define_operator("triton_attention_backward", _BACKWARD_SCHEMA, _attention_backward,
+                                      _gradients_fake)
 
 
-@torch.library.custom_op("nanofa2::recompute_attention_backward", mutates_args=())
-def _recompute_backward_op(q: Tensor, k: Tensor, v: Tensor, o: Tensor, do: Tensor, lse: Tensor,
-                           is_causal: bool) -> tuple[Tensor, Tensor, Tensor]:
+def _recomputed_attention_backward(q, k, v, o, do, lse, is_causal):
     # Opaque like the others, so that its own gradient can refuse double backward.
     grads = recompute_backward(q, k, v, o, lse, do, is_causal)
     return tuple(new_output_like(as_4d(t)).view(t.shape).copy_(g) for t, g in zip((q, k, v), grads))
 
 
-_recompute_backward_op.register_fake(_gradients_fake)
+_recompute_backward_op = define_operator("recompute_attention_backward", _BACKWARD_SCHEMA,
+                                         _recomputed_attention_backward, _gradients_fake)
 
 
-@torch.library.custom_op("nanofa2::triton_packed_attention", mutates_args=())
-def _packed_forward_op(qkv: Tensor, is_causal: bool) -> tuple[Tensor, Tensor]:
+def _packed_attention_forward(qkv, is_causal):
     check_kernel_device(qkv)
     o, lse = _new_packed_outputs(qkv)
     flash_forward(*unpack_heads(_describable_qkv(qkv)), is_causal, out=(o.transpose(1, 2), lse))
@@ -125,49 +129,43 @@ def _describable_qkv(qkv):
     return qkv if tma_describable(qkv, row_dim=1) else qkv.clone(memory_format=torch.contiguous_format)
 
 
-_packed_forward_op.register_fake(lambda qkv, is_causal: _new_packed_outputs(qkv))
+_packed_forward_op = define_operator("triton_packed_attention", "(Tensor qkv, bool is_causal) -> (Tensor, Tensor)",
+                                     _packed_attention_forward, lambda qkv, is_causal: _new_packed_outputs(qkv))
 
 
-@torch.library.custom_op("nanofa2::triton_packed_attention_backward", mutates_args=())
-def _packed_backward_op(qkv: Tensor, o: Tensor, do: Tensor, lse: Tensor, is_causal: bool) -> Tensor:
+def _packed_attention_backward(qkv, o, do, lse, is_causal):
     dqkv = qkv.new_empty(qkv.shape)  # contiguous, so its q, k, v views suit the kernels as they are
     flash_backward(*unpack_heads(_describable_qkv(qkv)), descriptor_ready(o.transpose(1, 2)),
                    descriptor_ready(do.transpose(1, 2)), lse.contiguous(), is_causal, out=unpack_heads(dqkv))
     return dqkv
 
 
-_packed_backward_op.register_fake(lambda qkv, o, do, lse, is_causal: qkv.new_empty(qkv.shape))
+_packed_backward_op = define_operator(
+    "triton_packed_attention_backward", "(Tensor qkv, Tensor o, Tensor do, Tensor lse, bool is_causal) -> Tensor",
+    _packed_attention_backward, lambda qkv, o, do, lse, is_causal: qkv.new_empty(qkv.shape))
 
 
 # ---------------------------------------------------------------- autograd
+# Every forward op takes (inputs..., is_causal) and returns (O, lse); its backward op takes
+# (inputs..., O, dO, lse, is_causal) and returns the inputs' gradients. So one setup and one
+# backward serve the three forwards.
 
-def _save_attention(ctx, inputs, output):
-    q, k, v, is_causal = inputs
-    o, lse = output
-    ctx.save_for_backward(q, k, v, o, lse)
+def _save_for_backward(ctx, inputs, output):
+    *tensors, is_causal = inputs
+    ctx.save_for_backward(*tensors, *output)  # inputs, O, lse
     ctx.is_causal = is_causal
 
 
-def _triton_backward(ctx, do, dlse):
-    dq, dk, dv = _triton_backward_op(*ctx.saved_tensors[:4], do, ctx.saved_tensors[4], ctx.is_causal)
-    return dq, dk, dv, None
+def _gradients(ctx, backward, do):
+    *inputs, o, lse = ctx.saved_tensors
+    grads = backward(*inputs, o, do, lse, ctx.is_causal)
+    return (grads,) if isinstance(grads, torch.Tensor) else grads
 
 
-def _recompute_backward(ctx, do, dlse):
-    dq, dk, dv = _recompute_backward_op(*ctx.saved_tensors[:4], do, ctx.saved_tensors[4], ctx.is_causal)
-    return dq, dk, dv, None
-
-
-def _save_packed(ctx, inputs, output):
-    qkv, is_causal = inputs
-    o, lse = output
-    ctx.save_for_backward(qkv, o, lse)
-    ctx.is_causal = is_causal
-
-
-def _packed_backward(ctx, do, dlse):
-    qkv, o, lse = ctx.saved_tensors
-    return _packed_backward_op(qkv, o, do, lse, ctx.is_causal), None
+def _backward_through(backward_op):
+    def backward(ctx, do, dlse):  # lse is not differentiated (see the docstring above)
+        return *_gradients(ctx, backward_op, do), None
+    return backward
 
 
 def _refuse_double_backward(backend):
@@ -177,12 +175,48 @@ def _refuse_double_backward(backend):
     return backward
 
 
-_triton_forward_op.register_autograd(_triton_backward, setup_context=_save_attention)
-_triton_fwd_forward_op.register_autograd(_recompute_backward, setup_context=_save_attention)
-_packed_forward_op.register_autograd(_packed_backward, setup_context=_save_packed)
-_triton_backward_op.register_autograd(_refuse_double_backward("triton"))
-_recompute_backward_op.register_autograd(_refuse_double_backward("triton_fwd"))
-_packed_backward_op.register_autograd(_refuse_double_backward("triton"))
+for forward_op, backward_op, backend in [(_triton_forward_op, _triton_backward_op, "triton"),
+                                         (_triton_fwd_forward_op, _recompute_backward_op, "triton_fwd"),
+                                         (_packed_forward_op, _packed_backward_op, "triton")]:
+    torch.library.register_autograd(forward_op, _backward_through(backward_op), setup_context=_save_for_backward,
+                                    lib=OPERATORS)
+    torch.library.register_autograd(backward_op, _refuse_double_backward(backend), lib=OPERATORS)
+
+
+# Outside torch.compile the backends call the same kernels through an autograd.Function
+# instead of the operators (see the docstring above). What it saves and how it computes the
+# gradients is the code above.
+_KERNELS = {  # forward op -> (its kernel, its backward op, that op's kernel)
+    _triton_forward_op: (_attention_forward, _triton_backward_op, _attention_backward),
+    _triton_fwd_forward_op: (_attention_forward, _recompute_backward_op, _recomputed_attention_backward),
+    _packed_forward_op: (_packed_attention_forward, _packed_backward_op, _packed_attention_backward),
+}
+
+
+class TritonAttention(torch.autograd.Function):
+    """A forward operator's kernel, and in backward its backward operator's kernel, called
+    directly: the uncompiled route (see the module docstring)."""
+
+    @staticmethod
+    def forward(ctx, forward_op, *inputs):
+        forward_kernel, ctx.backward_op, ctx.backward_kernel = _KERNELS[forward_op]
+        output = forward_kernel(*inputs)
+        _save_for_backward(ctx, inputs, output)
+        ctx.mark_non_differentiable(output[1])
+        return output
+
+    @staticmethod
+    def backward(ctx, do, dlse):
+        # With create_graph the gradients must carry the backward op's refusal of double backward.
+        backward = ctx.backward_op if torch.is_grad_enabled() else ctx.backward_kernel
+        return None, *_gradients(ctx, backward, do), None
+
+
+def _attention_op(forward_op, *inputs):
+    """forward_op(*inputs): the operator while torch.compile traces, its kernels otherwise."""
+    if torch.compiler.is_compiling():
+        return forward_op(*inputs)
+    return TritonAttention.apply(forward_op, *inputs)
 
 
 # ---------------------------------------------------------------- the backends
@@ -190,13 +224,13 @@ _packed_backward_op.register_autograd(_refuse_double_backward("triton"))
 def triton_attention(q, k, v, is_causal=False):
     check_inputs(q, k, v, is_causal)
     check_triton_inputs(q, k, v)
-    return _triton_forward_op(q, k, v, is_causal)[0]
+    return _attention_op(_triton_forward_op, q, k, v, is_causal)[0]
 
 
 def triton_fwd_attention(q, k, v, is_causal=False):
     check_inputs(q, k, v, is_causal)
     check_triton_inputs(q, k, v)
-    return _triton_fwd_forward_op(q, k, v, is_causal)[0]
+    return _attention_op(_triton_fwd_forward_op, q, k, v, is_causal)[0]
 
 
 def triton_packed_attention(qkv, is_causal=False):
@@ -206,4 +240,4 @@ def triton_packed_attention(qkv, is_causal=False):
     model's small shapes those nodes cost the CPU more than the kernels cost the GPU
     (docs/benchmarks.md)."""
     check_triton_inputs(*unpack_heads(qkv))
-    return _packed_forward_op(qkv, is_causal)[0]
+    return _attention_op(_packed_forward_op, qkv, is_causal)[0]
