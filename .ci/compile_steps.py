@@ -3,16 +3,18 @@
     python .ci/compile_steps.py --block_size=1024 [--backends=eager,sdpa,triton] [--modes=none,default,reduce-overhead]
                                 [--tokens=4096]
 
-One process per block size; within it the variants run one after another, backends
-alternating within each mode. The model is train.py's default (TrainConfig) over the dense
+One process per block size. The model is train.py's default (TrainConfig) over the dense
 TinyShakespeare vocabulary; batch = --tokens (by default the default's tokens per micro-batch)
 / block_size sequences, at least one, so every micro-batch holds the same tokens whatever the
-context (up to --tokens); the default's
-micro-batches a step, bf16 autocast, fused AdamW, CUDA memory capped at 12 GiB (the target
-card). Random tokens: no data needed. For each variant it prints
-the median wall time of 20 synchronised steps (after 5 warm-up steps, which compile) and the
-GPU time per step: the sum of CUDA kernel times over 5 profiled steps (torch.profiler), / 5.
-The host's speed drifts, so judge kernels by GPU time and host overhead by wall time.
+context (up to --tokens); the default's micro-batches a step, bf16 autocast, fused AdamW, CUDA
+memory capped at 12 GiB (the target card). Random tokens: no data needed.
+
+Per mode, every backend's model is built and warmed up (5 steps, which compile), then the
+backends take turns: --rounds rounds of 5 synchronised steps each, the order reversed every other
+round, because the host's speed drifts by tens of percent over minutes and alternating spreads
+the drift over every backend alike. For each it prints the median wall time of those steps with
+the spread of the rounds' medians, and the GPU time per step: the sum of CUDA kernel times over
+5 profiled steps (torch.profiler), / 5. Judge kernels by GPU time, host overhead by wall time.
 """
 import argparse
 import statistics
@@ -56,7 +58,8 @@ def gpu_ms_per_step(step, steps=5):
     return kernel_us / 1000 / steps
 
 
-def measure(backend, mode, block_size, tokens):
+def build(backend, mode, block_size, tokens):
+    """The step function of one backend's model, warmed up; and the warm-up's seconds."""
     torch.manual_seed(0)
     batch = max(1, tokens // block_size)
     model = GPT(replace(DEFAULT.model_config(VOCAB_SIZE), block_size=block_size, dropout=0.0, attn=backend)).cuda()
@@ -64,22 +67,46 @@ def measure(backend, mode, block_size, tokens):
     compiled = mode != "none"
     run = compile_model(model, mode) if compiled else model
     tokens = [torch.randint(0, VOCAB_SIZE, (batch, block_size), device="cuda") for _ in range(ACCUMULATION)]
-    batches = [(x, x.roll(-1, dims=1)) for x in tokens]
-    step = make_step(run, optimizer, batches, compiled)
+    step = make_step(run, optimizer, [(x, x.roll(-1, dims=1)) for x in tokens], compiled)
     start = time.perf_counter()
     for _ in range(5):
         step()
     torch.cuda.synchronize()
-    warmup_s = time.perf_counter() - start
+    return step, time.perf_counter() - start
+
+
+def timed_steps(step, steps=5):
     times = []
-    for _ in range(20):
+    for _ in range(steps):
         start = time.perf_counter()
         step()
         torch.cuda.synchronize()
         times.append(1000 * (time.perf_counter() - start))
-    gpu_ms = gpu_ms_per_step(step)
+    return times
+
+
+def measure_mode(backends, mode, block_size, tokens, rounds):
+    """{backend: (median wall ms, (lowest, highest) round median, GPU ms, warm-up s)}, or the
+    string "out of memory" for a backend that does not fit 12 GiB."""
+    steps, results = {}, {}
+    for backend in backends:
+        try:
+            steps[backend] = build(backend, mode, block_size, tokens)
+        except torch.OutOfMemoryError:
+            results[backend] = "out of memory"
+            torch.cuda.empty_cache()
+    walls = {backend: [] for backend in steps}
+    round_medians = {backend: [] for backend in steps}
+    for r in range(rounds):
+        for backend in (list(steps) if r % 2 == 0 else reversed(list(steps))):
+            times = timed_steps(steps[backend][0])
+            walls[backend] += times
+            round_medians[backend].append(statistics.median(times))
+    for backend, (step, warmup_s) in steps.items():
+        results[backend] = (statistics.median(walls[backend]), (min(round_medians[backend]),
+                            max(round_medians[backend])), gpu_ms_per_step(step), warmup_s)
     torch._dynamo.reset()
-    return statistics.median(times), gpu_ms, warmup_s
+    return results
 
 
 def main():
@@ -88,20 +115,22 @@ def main():
     parser.add_argument("--backends", default="eager,sdpa,triton")
     parser.add_argument("--modes", default="none,default,reduce-overhead")
     parser.add_argument("--tokens", type=int, default=TOKENS_PER_MICRO_BATCH, help="tokens per micro-batch")
+    parser.add_argument("--rounds", type=int, default=6, help="rounds of 5 steps per backend, taken in turn")
     args = parser.parse_args()
     torch.cuda.set_per_process_memory_fraction(min(1.0, 12 * 2**30 / torch.cuda.get_device_properties(0).total_memory))
     print(f"block_size {args.block_size}, batch {max(1, args.tokens // args.block_size)} x {ACCUMULATION} "
           f"micro-batches, bf16, {torch.cuda.get_device_name()}")
-    print(f"{'backend':<10} {'compile':<16} {'wall ms/step':>12} {'GPU ms/step':>12} {'warm-up s':>10}")
+    print(f"{'backend':<10} {'compile':<16} {'wall ms/step':>12} {'round medians':>16} {'GPU ms/step':>12} "
+          f"{'warm-up s':>10}")
+    backends = args.backends.split(",")
     for mode in args.modes.split(","):
-        for backend in args.backends.split(","):
-            try:
-                wall, gpu, warmup = measure(backend, mode, args.block_size, args.tokens)
-                print(f"{backend:<10} {mode:<16} {wall:>12.2f} {gpu:>12.2f} {warmup:>10.1f}")
-            except torch.OutOfMemoryError:
+        for backend, result in measure_mode(backends, mode, args.block_size, args.tokens, args.rounds).items():
+            if isinstance(result, str):
                 print(f"{backend:<10} {mode:<16} {'out of memory under 12 GiB':>36}")
-                torch._dynamo.reset()
-            torch.cuda.empty_cache()
+                continue
+            wall, (low, high), gpu, warmup = result
+            print(f"{backend:<10} {mode:<16} {wall:>12.2f} {f'{low:.1f}-{high:.1f}':>16} {gpu:>12.2f} {warmup:>10.1f}")
+        torch.cuda.empty_cache()
 
 
 if __name__ == "__main__":
