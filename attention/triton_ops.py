@@ -175,9 +175,13 @@ def _refuse_double_backward(backend):
     return backward
 
 
-for forward_op, backward_op, backend in [(_triton_forward_op, _triton_backward_op, "triton"),
-                                         (_triton_fwd_forward_op, _recompute_backward_op, "triton_fwd"),
-                                         (_packed_forward_op, _packed_backward_op, "triton")]:
+# forward op -> (its kernel, its backward op, that op's kernel, the backend its errors name)
+_OPERATOR_PAIRS = {
+    _triton_forward_op: (_attention_forward, _triton_backward_op, _attention_backward, "triton"),
+    _triton_fwd_forward_op: (_attention_forward, _recompute_backward_op, _recomputed_attention_backward, "triton_fwd"),
+    _packed_forward_op: (_packed_attention_forward, _packed_backward_op, _packed_attention_backward, "triton"),
+}
+for forward_op, (_, backward_op, _, backend) in _OPERATOR_PAIRS.items():
     torch.library.register_autograd(forward_op, _backward_through(backward_op), setup_context=_save_for_backward,
                                     lib=OPERATORS)
     torch.library.register_autograd(backward_op, _refuse_double_backward(backend), lib=OPERATORS)
@@ -186,20 +190,13 @@ for forward_op, backward_op, backend in [(_triton_forward_op, _triton_backward_o
 # Outside torch.compile the backends call the same kernels through an autograd.Function
 # instead of the operators (see the docstring above). What it saves and how it computes the
 # gradients is the code above.
-_KERNELS = {  # forward op -> (its kernel, its backward op, that op's kernel)
-    _triton_forward_op: (_attention_forward, _triton_backward_op, _attention_backward),
-    _triton_fwd_forward_op: (_attention_forward, _recompute_backward_op, _recomputed_attention_backward),
-    _packed_forward_op: (_packed_attention_forward, _packed_backward_op, _packed_attention_backward),
-}
-
-
 class TritonAttention(torch.autograd.Function):
     """A forward operator's kernel, and in backward its backward operator's kernel, called
     directly: the uncompiled route (see the module docstring)."""
 
     @staticmethod
     def forward(ctx, forward_op, *inputs):
-        forward_kernel, ctx.backward_op, ctx.backward_kernel = _KERNELS[forward_op]
+        forward_kernel, ctx.backward_op, ctx.backward_kernel, _ = _OPERATOR_PAIRS[forward_op]
         output = forward_kernel(*inputs)
         _save_for_backward(ctx, inputs, output)
         ctx.mark_non_differentiable(output[1])
