@@ -1,7 +1,7 @@
 """Training-step time of the default model, uncompiled and compiled, per backend: `.ci/gpu compile`.
 
     python .ci/compile_steps.py --block_size=1024 [--backends=eager,sdpa,triton] [--modes=none,default,reduce-overhead]
-                                [--tokens=4096]
+                                [--tokens=4096] [--rounds=6]
 
 One process per block size. The model is train.py's default (TrainConfig) over the dense
 TinyShakespeare vocabulary; batch = --tokens (by default the default's tokens per micro-batch)
@@ -86,14 +86,14 @@ def timed_steps(step, steps=5):
 
 
 def measure_mode(backends, mode, block_size, tokens, rounds):
-    """{backend: (median wall ms, (lowest, highest) round median, GPU ms, warm-up s)}, or the
-    string "out of memory" for a backend that does not fit 12 GiB."""
+    """{backend: (median wall ms, (lowest, highest) round median, GPU ms, warm-up s)}, None for a
+    backend that does not fit 12 GiB."""
     steps, results = {}, {}
     for backend in backends:
         try:
             steps[backend] = build(backend, mode, block_size, tokens)
         except torch.OutOfMemoryError:
-            results[backend] = "out of memory"
+            results[backend] = None
             torch.cuda.empty_cache()
     walls = {backend: [] for backend in steps}
     round_medians = {backend: [] for backend in steps}
@@ -125,7 +125,7 @@ def main():
     backends = args.backends.split(",")
     for mode in args.modes.split(","):
         for backend, result in measure_mode(backends, mode, args.block_size, args.tokens, args.rounds).items():
-            if isinstance(result, str):
+            if result is None:
                 print(f"{backend:<10} {mode:<16} {'out of memory under 12 GiB':>36}")
                 continue
             wall, (low, high), gpu, warmup = result
