@@ -24,19 +24,20 @@ import torch
 import triton
 import triton.language as tl
 
-from .triton_launch import INTERPRETING, TunedKernel, descriptor_ready, set_tma_scratch_allocator, tuning_key
-from .triton_tiles import (LOG2_E, head_matrix, key_tile_bounds, load_tile, query_tile_bounds, query_tile_start,
-                           store_tile, visible_in_tile)
+from .triton_launch import (INTERPRETING, TunedKernel, descriptor_ready, heads_first, program_grid,
+                            set_tma_scratch_allocator, tuning_key)
+from .triton_tiles import (LOG2_E, head_matrix, key_tile_bounds, load_tile, program_tile_and_head, query_tile_bounds,
+                           query_tile_start, store_tile, visible_in_tile)
 
 KERNEL_LOG2_E = tl.constexpr(LOG2_E)  # the same number, usable inside kernels
 
 
 @triton.jit(do_not_specialize=["N_Q"])
 def _attn_bwd_delta(O, dO, DELTA, stride_ob, stride_oh, stride_on, stride_dob, stride_doh, stride_don, H, N_Q,
-                    HEAD_DIM: tl.constexpr, BLOCK_M: tl.constexpr):
+                    HEAD_DIM: tl.constexpr, HEADS_FIRST: tl.constexpr, BLOCK_M: tl.constexpr):
     """delta_i = dO_i . O_i for the BLOCK_M query rows of one program, stored to DELTA (B, H, N_Q)."""
-    start_m = tl.program_id(0) * BLOCK_M
-    bh = tl.program_id(1)
+    tile, bh, _ = program_tile_and_head(HEADS_FIRST)
+    start_m = tile * BLOCK_M
     O = head_matrix(O, bh, H, stride_ob, stride_oh, stride_on, N_Q, HEAD_DIM, BLOCK_M, False)
     dO = head_matrix(dO, bh, H, stride_dob, stride_doh, stride_don, N_Q, HEAD_DIM, BLOCK_M, False)
     rows = start_m + tl.arange(0, BLOCK_M)
@@ -94,22 +95,22 @@ def _attn_bwd(Q, K, V, dO, dQ, dK, dV, LSE, DELTA,
               stride_vb, stride_vh, stride_vn, stride_dob, stride_doh, stride_don,
               stride_dqb, stride_dqh, stride_dqn, stride_dkb, stride_dkh, stride_dkn, stride_dvb, stride_dvh, stride_dvn,
               H, N_Q, N_K, qk_scale, sm_scale,
-              IS_CAUSAL: tl.constexpr, HEAD_DIM: tl.constexpr,
+              IS_CAUSAL: tl.constexpr, HEAD_DIM: tl.constexpr, HEADS_FIRST: tl.constexpr,
               BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr, DKDV_BLOCK_M: tl.constexpr, USE_TMA: tl.constexpr):
     """Key tiles have BLOCK_N rows in both jobs. Query tiles: BLOCK_M rows where a dQ program
     holds one, DKDV_BLOCK_M rows where a dK/dV program streams them (each job has its best)."""
-    bh = tl.program_id(1)
+    tile, bh, tiles = program_tile_and_head(HEADS_FIRST)
     K = head_matrix(K, bh, H, stride_kb, stride_kh, stride_kn, N_K, HEAD_DIM, BLOCK_N, USE_TMA)
     V = head_matrix(V, bh, H, stride_vb, stride_vh, stride_vn, N_K, HEAD_DIM, BLOCK_N, USE_TMA)
     LSE += bh * N_Q
     DELTA += bh * N_Q
     key_tiles = tl.cdiv(N_K, BLOCK_N)
 
-    if tl.program_id(0) < key_tiles:
-        # dK, dV of key tile program_id(0). Causal: tile 0 is seen by every query tile, so the
+    if tile < key_tiles:
+        # dK, dV of key tile `tile`. Causal: tile 0 is seen by every query tile, so the
         # programs with the most work start first.
         # (Triton needs a name to keep one type in both branches: hence streamed_q, not q_matrix.)
-        start_n = tl.program_id(0) * BLOCK_N
+        start_n = tile * BLOCK_N
         streamed_q = head_matrix(Q, bh, H, stride_qb, stride_qh, stride_qn, N_Q, HEAD_DIM, DKDV_BLOCK_M, USE_TMA)
         streamed_do = head_matrix(dO, bh, H, stride_dob, stride_doh, stride_don, N_Q, HEAD_DIM, DKDV_BLOCK_M, USE_TMA)
         dk_matrix = head_matrix(dK, bh, H, stride_dkb, stride_dkh, stride_dkn, N_K, HEAD_DIM, BLOCK_N, USE_TMA)
@@ -130,7 +131,7 @@ def _attn_bwd(Q, K, V, dO, dQ, dK, dV, LSE, DELTA,
         store_tile(dv_matrix, start_n, N_K, stride_dvn, dv, BLOCK_N, HEAD_DIM, USE_TMA)
     else:
         # dQ of a query tile, in the forward's order among the query-tile programs.
-        start_m = query_tile_start(tl.program_id(0) - key_tiles, tl.num_programs(0) - key_tiles, IS_CAUSAL, BLOCK_M)
+        start_m = query_tile_start(tile - key_tiles, tiles - key_tiles, IS_CAUSAL, BLOCK_M)
         q_matrix = head_matrix(Q, bh, H, stride_qb, stride_qh, stride_qn, N_Q, HEAD_DIM, BLOCK_M, USE_TMA)
         do_matrix = head_matrix(dO, bh, H, stride_dob, stride_doh, stride_don, N_Q, HEAD_DIM, BLOCK_M, USE_TMA)
         dq_matrix = head_matrix(dQ, bh, H, stride_dqb, stride_dqh, stride_dqn, N_Q, HEAD_DIM, BLOCK_M, USE_TMA)
@@ -192,18 +193,21 @@ def flash_backward(q, k, v, o, do, lse, is_causal, out=None, config=None):
     set_tma_scratch_allocator()
     key = tuning_key(q, k, is_causal)
 
+    heads_go_first = heads_first(k)
     delta = torch.empty((B, H, N_Q), dtype=torch.float32, device=q.device)
-    grid = lambda meta: (triton.cdiv(N_Q, meta["BLOCK_M"]), B * H)
-    _attn_bwd_delta_launch(grid, key, o, do, delta, *o.stride()[:3], *do.stride()[:3], H, N_Q, HEAD_DIM=D)
+    grid = lambda meta: program_grid(triton.cdiv(N_Q, meta["BLOCK_M"]), B * H, heads_go_first)
+    _attn_bwd_delta_launch(grid, key, o, do, delta, *o.stride()[:3], *do.stride()[:3], H, N_Q, HEAD_DIM=D,
+                           HEADS_FIRST=heads_go_first)
 
     sm_scale = D ** -0.5
     args = (q, k, v, do, dq, dk, dv, lse, delta, *q.stride()[:3], *k.stride()[:3], *v.stride()[:3],
             *do.stride()[:3], *dq.stride()[:3], *dk.stride()[:3], *dv.stride()[:3], H, N_Q, N_K, sm_scale * LOG2_E,
             sm_scale)
     # The key-tile programs first, then the query-tile programs (see _attn_bwd).
-    grid = lambda meta: (triton.cdiv(N_K, meta["BLOCK_N"]) + triton.cdiv(N_Q, meta["BLOCK_M"]), B * H)
+    grid = lambda meta: program_grid(triton.cdiv(N_K, meta["BLOCK_N"]) + triton.cdiv(N_Q, meta["BLOCK_M"]), B * H,
+                                     heads_go_first)
     if config is None:
-        _attn_bwd_tuned(grid, key, *args, IS_CAUSAL=is_causal, HEAD_DIM=D)
+        _attn_bwd_tuned(grid, key, *args, IS_CAUSAL=is_causal, HEAD_DIM=D, HEADS_FIRST=heads_go_first)
     else:
-        _attn_bwd[grid](*args, IS_CAUSAL=is_causal, HEAD_DIM=D, **config.all_kwargs())
+        _attn_bwd[grid](*args, IS_CAUSAL=is_causal, HEAD_DIM=D, HEADS_FIRST=heads_go_first, **config.all_kwargs())
     return dq, dk, dv

@@ -15,8 +15,10 @@ import torch
 import triton
 import triton.language as tl
 
-from .triton_launch import INTERPRETING, TunedKernel, descriptor_ready, set_tma_scratch_allocator, tuning_key
-from .triton_tiles import LOG2_E, head_matrix, key_tile_bounds, load_tile, query_tile_start, store_tile, visible_in_tile
+from .triton_launch import (INTERPRETING, TunedKernel, descriptor_ready, heads_first, program_grid,
+                            set_tma_scratch_allocator, tuning_key)
+from .triton_tiles import (LOG2_E, head_matrix, key_tile_bounds, load_tile, program_tile_and_head, query_tile_start,
+                           store_tile, visible_in_tile)
 
 LN_2 = tl.constexpr(0.6931471805599453)
 
@@ -50,10 +52,10 @@ def _attn_fwd(Q, K, V, O, LSE,
               stride_qb, stride_qh, stride_qn, stride_kb, stride_kh, stride_kn,
               stride_vb, stride_vh, stride_vn, stride_ob, stride_oh, stride_on,
               H, N_Q, N_K, qk_scale,
-              IS_CAUSAL: tl.constexpr, HEAD_DIM: tl.constexpr,
+              IS_CAUSAL: tl.constexpr, HEAD_DIM: tl.constexpr, HEADS_FIRST: tl.constexpr,
               BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr, USE_TMA: tl.constexpr):
-    start_m = query_tile_start(tl.program_id(0), tl.num_programs(0), IS_CAUSAL, BLOCK_M)
-    bh = tl.program_id(1)
+    tile, bh, tiles = program_tile_and_head(HEADS_FIRST)
+    start_m = query_tile_start(tile, tiles, IS_CAUSAL, BLOCK_M)
     Q = head_matrix(Q, bh, H, stride_qb, stride_qh, stride_qn, N_Q, HEAD_DIM, BLOCK_M, USE_TMA)
     K = head_matrix(K, bh, H, stride_kb, stride_kh, stride_kn, N_K, HEAD_DIM, BLOCK_N, USE_TMA)
     V = head_matrix(V, bh, H, stride_vb, stride_vh, stride_vn, N_K, HEAD_DIM, BLOCK_N, USE_TMA)
@@ -121,10 +123,12 @@ def flash_forward(q, k, v, is_causal, config=None, out=None):
         return o, lse
     args = (q, k, v, o, lse, *q.stride()[:3], *k.stride()[:3], *v.stride()[:3], *o.stride()[:3],
             H, N_Q, N_K, D ** -0.5 * LOG2_E)
-    grid = lambda meta: (triton.cdiv(N_Q, meta["BLOCK_M"]), B * H)
+    heads_go_first = heads_first(k)
+    grid = lambda meta: program_grid(triton.cdiv(N_Q, meta["BLOCK_M"]), B * H, heads_go_first)
     set_tma_scratch_allocator()
     if config is None:
-        _attn_fwd_tuned(grid, tuning_key(q, k, is_causal), *args, IS_CAUSAL=is_causal, HEAD_DIM=D)
+        _attn_fwd_tuned(grid, tuning_key(q, k, is_causal), *args, IS_CAUSAL=is_causal, HEAD_DIM=D,
+                        HEADS_FIRST=heads_go_first)
     else:
-        _attn_fwd[grid](*args, IS_CAUSAL=is_causal, HEAD_DIM=D, **config.all_kwargs())
+        _attn_fwd[grid](*args, IS_CAUSAL=is_causal, HEAD_DIM=D, HEADS_FIRST=heads_go_first, **config.all_kwargs())
     return o, lse

@@ -3,6 +3,7 @@ device check and the interpreter warning, the tile configs that fit a card, and 
 which picks a config per shape and launches it. (Whether the kernels are compiled or
 interpreted is decided in attention/__init__.py; what runs inside them is triton_tiles.py,
 triton_forward.py and triton_backward.py.)"""
+import functools
 import json
 import os
 import re
@@ -101,6 +102,33 @@ def define_operator(name, schema, kernel, fake):
 def has_tma(device):
     """Hopper (sm_90) and newer copy tiles with the TMA engine; older cards use cp.async."""
     return device.type == "cuda" and torch.cuda.get_device_capability(device)[0] >= 9
+
+
+# The L2 cache of the target card, the RTX 4070 Super: what the interpreter assumes.
+ADA_L2_BYTES = 48 * 2 ** 20
+# CUDA's limit on a grid's y dimension (x takes up to 2**31 - 1).
+GRID_Y_LIMIT = 65535
+
+
+@functools.cache
+def l2_bytes(device):
+    return ADA_L2_BYTES if device.type != "cuda" else torch.cuda.get_device_properties(device).L2_cache_size
+
+
+def heads_first(k):
+    """Whether the kernels' grid puts the heads along x (triton_tiles.program_tile_and_head),
+    so that the longest tiles of every head start first: when the keys and values of all
+    heads, which every program streams, fit in half the L2. That is the model's case, where a
+    grid is one or two waves of programs and one head's tiles in a row left a tail of long
+    programs at the end. Beyond that (the paper's shapes), programs of many heads at once evict
+    each other's tiles, and one head's tiles together are faster (docs/benchmarks.md, "The grid
+    order"). Also whenever B * H exceeds what the grid's y dimension holds."""
+    B, H, N_K, _ = k.shape
+    return 2 * k.numel() * k.element_size() <= l2_bytes(k.device) // 2 or B * H > GRID_Y_LIMIT
+
+
+def program_grid(tiles, batch_heads, heads_first):
+    return (batch_heads, tiles) if heads_first else (tiles, batch_heads)
 
 
 class TuningKey(NamedTuple):

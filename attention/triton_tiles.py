@@ -12,6 +12,18 @@ LOG2_E = 1.4426950408889634  # the kernels' softmax runs in base 2: exp(x) = exp
 
 
 @triton.jit
+def program_tile_and_head(HEADS_FIRST: tl.constexpr):
+    """This program's tile, its batch-head and how many tile programs each batch-head has. The
+    grid is (tiles, B * H), or (B * H, tiles) with HEADS_FIRST (triton_launch.heads_first
+    says when). The GPU starts programs in grid order, x fastest: with the heads along x, the
+    first (for causal: the longest) tiles of every head start before the later tiles of any."""
+    tile, bh, tiles = tl.program_id(0), tl.program_id(1), tl.num_programs(0)
+    if HEADS_FIRST:
+        tile, bh, tiles = tl.program_id(1), tl.program_id(0), tl.num_programs(1)
+    return tile, bh, tiles
+
+
+@triton.jit
 def query_tile_start(program, n_programs, IS_CAUSAL: tl.constexpr, BLOCK_M: tl.constexpr):
     """The first query row of the tile of the program-th of n_programs query-tile programs.
     Causal query tiles near the end have the most keys to visit: launch them first, so the

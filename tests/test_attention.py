@@ -368,13 +368,23 @@ def test_tiled_any_tile_size(tile_size):
     assert_close(o, o_ref, 1e-5, f"tiled O (tile {tile_size})")
 
 
+def launch_heads_first(monkeypatch, heads_first):
+    """Make the kernels' launches take the given grid order (triton_launch.heads_first)."""
+    import attention.triton_backward
+    import attention.triton_forward
+    for module in (attention.triton_forward, attention.triton_backward):
+        monkeypatch.setattr(module, "heads_first", lambda k: heads_first)
+
+
+@pytest.mark.parametrize("heads_first", [False, True])
 @pytest.mark.parametrize("use_tma", [False, True])
 @pytest.mark.parametrize("is_causal", [False, True])
 @pytest.mark.parametrize("block_m,block_n", [(16, 16), (32, 16), (16, 32), (64, 32)])
-def test_triton_kernels_with_explicit_tiles(block_m, block_n, is_causal, use_tma):
+def test_triton_kernels_with_explicit_tiles(block_m, block_n, is_causal, use_tma, heads_first, monkeypatch):
     """Tiles smaller than the sequence, with BLOCK_M != BLOCK_N: several tiles cross the
     diagonal, and both sequences end mid-tile. Both load paths: TMA descriptors (Hopper) and
-    masked pointer loads (older cards)."""
+    masked pointer loads (older cards). Both grid orders."""
+    launch_heads_first(monkeypatch, heads_first)
     q, k, v = (t.detach() for t in random_qkv((1, 2, 83, 32), 71, seed=block_m + block_n))
     config = triton.Config({"BLOCK_M": block_m, "BLOCK_N": block_n, "USE_TMA": use_tma})
     o, lse = flash_forward(q, k, v, is_causal, config=config)
@@ -501,9 +511,11 @@ def _enabled(configs, smem_rows, q):
 @pytest.mark.parametrize("dtype", [torch.bfloat16, torch.float16])
 @pytest.mark.parametrize("head_dim", [64, 128])
 @pytest.mark.parametrize("is_causal", [False, True])
-def test_gpu_every_tile_config_is_correct(head_dim, is_causal, dtype):
+@pytest.mark.parametrize("heads_first", [False, True])
+def test_gpu_every_tile_config_is_correct(head_dim, is_causal, dtype, heads_first, monkeypatch):
     """Every config the autotuner may pick on this card, forward and backward (on Hopper both
-    load paths: TMA and cp.async)."""
+    load paths: TMA and cp.async), in both grid orders."""
+    launch_heads_first(monkeypatch, heads_first)
     q, k, v = (t.detach() for t in random_qkv((2, 2, 1031, head_dim), 1031, dtype=dtype, device="cuda", seed=head_dim))
     do = torch.randn_like(q)
     o_ref, lse_ref, dq_ref, dk_ref, dv_ref = reference(q, k, v, is_causal, do)

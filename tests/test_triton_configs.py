@@ -58,8 +58,8 @@ def measure():
     for kernel, configs, smem_rows in ((_attn_fwd, FORWARD_CONFIGS, forward_smem_rows),
                                        (_attn_bwd, BACKWARD_CONFIGS, backward_smem_rows)):
         for config in configs:
-            compile_for(kernel, "bf16", dict(config.kwargs, IS_CAUSAL=True, HEAD_DIM=128), 90, config.num_warps,
-                        config.num_stages)
+            compile_for(kernel, "bf16", dict(config.kwargs, IS_CAUSAL=True, HEAD_DIM=128, HEADS_FIRST=True), 90,
+                        config.num_warps, config.num_stages)
             if config.kwargs["USE_TMA"]:  # pruned on cards without TMA
                 continue
             for element_type, size in ELEMENT_TYPES.items():
@@ -67,7 +67,7 @@ def measure():
                             if shared_memory_bytes(config, smem_rows, d, size) <= ADA_SHARED_MEMORY_BYTES]
                 if not admitted:
                     continue
-                constexprs = dict(config.kwargs, IS_CAUSAL=True, HEAD_DIM=max(admitted))
+                constexprs = dict(config.kwargs, IS_CAUSAL=True, HEAD_DIM=max(admitted), HEADS_FIRST=True)
                 compiled = compile_for(kernel, element_type, constexprs, 89, config.num_warps, config.num_stages)
                 results.append(dict(kernel=kernel.__name__, config=str(config), element_type=element_type,
                                     head_dim=max(admitted), shared=compiled.metadata.shared))
