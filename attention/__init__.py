@@ -13,8 +13,8 @@ returns (B, N, H, D): the same attention, but the triton backend then reads q, k
 qkv in place and hands autograd one node instead of six (see triton_ops.py).
 
 Every backend traces under torch.compile: the Triton kernels are custom operators
-(torch.ops.nanofa2.*, opaque on every device; triton_ops.py says why), so a compiled model
-with triton or triton_fwd is one graph. tiled, the Python loop, may break the graph but compiles
+(torch.ops.nanofa2.*; on a GPU torch.library.triton_ops, whose kernel launches Inductor makes
+itself; triton_ops.py says more), so a compiled model with triton or triton_fwd is one graph. tiled, the Python loop, may break the graph but compiles
 and trains correctly.
 
 Backends:

@@ -100,6 +100,7 @@ def _attn_bwd(Q, K, V, dO, dQ, dK, dV, LSE, DELTA,
     """Key tiles have BLOCK_N rows in both jobs. Query tiles: BLOCK_M rows where a dQ program
     holds one, DKDV_BLOCK_M rows where a dK/dV program streams them (each job has its best)."""
     tile, bh, tiles = program_tile_and_head(HEADS_FIRST)
+    qk_scale, sm_scale = tl.cast(qk_scale, tl.float32), tl.cast(sm_scale, tl.float32)  # Inductor: float64
     K = head_matrix(K, bh, H, stride_kb, stride_kh, stride_kn, N_K, HEAD_DIM, BLOCK_N, USE_TMA)
     V = head_matrix(V, bh, H, stride_vb, stride_vh, stride_vn, N_K, HEAD_DIM, BLOCK_N, USE_TMA)
     LSE += bh * N_Q

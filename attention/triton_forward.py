@@ -56,6 +56,7 @@ def _attn_fwd(Q, K, V, O, LSE,
               BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr, USE_TMA: tl.constexpr):
     tile, bh, tiles = program_tile_and_head(HEADS_FIRST)
     start_m = query_tile_start(tile, tiles, IS_CAUSAL, BLOCK_M)
+    qk_scale = tl.cast(qk_scale, tl.float32)  # Inductor passes a Python float as float64
     Q = head_matrix(Q, bh, H, stride_qb, stride_qh, stride_qn, N_Q, HEAD_DIM, BLOCK_M, USE_TMA)
     K = head_matrix(K, bh, H, stride_kb, stride_kh, stride_kn, N_K, HEAD_DIM, BLOCK_N, USE_TMA)
     V = head_matrix(V, bh, H, stride_vb, stride_vh, stride_vn, N_K, HEAD_DIM, BLOCK_N, USE_TMA)

@@ -1,8 +1,8 @@
 """How the host launches the Triton kernels: the layouts they take (descriptor_ready), the
 device check and the interpreter warning, the tile configs that fit a card, and TunedKernel,
-which picks a config per shape and launches it. (Whether the kernels are compiled or
-interpreted is decided in attention/__init__.py; what runs inside them is triton_tiles.py,
-triton_forward.py and triton_backward.py.)"""
+which picks a config per shape and launches it (or, while torch.compile traces, records the
+launch). Whether the kernels are compiled or interpreted is decided in attention/__init__.py;
+what runs inside them is triton_tiles.py, triton_forward.py and triton_backward.py."""
 import functools
 import json
 import os
@@ -55,8 +55,24 @@ def tma_describable(t, row_dim):
     16-byte aligned base, a unit last stride, 16-byte aligned other strides and a non-zero stride
     between rows."""
     elem = t.element_size()
-    return t.data_ptr() % 16 == 0 and t.stride(-1) == 1 and all(s * elem % 16 == 0 for s in t.stride()[:-1]) \
+    return aligned(t) and t.stride(-1) == 1 and all(s * elem % 16 == 0 for s in t.stride()[:-1]) \
         and t.stride(row_dim) > 0
+
+
+def traced(t):
+    """Whether t is one of the stand-ins torch.compile traces a torch.library.triton_op with (a
+    fake or functional tensor, both torch.Tensor subclasses): it has a shape and strides but no
+    memory, so a kernel launch can only be recorded for it (TunedKernel.record), not made."""
+    return type(t) is not torch.Tensor
+
+
+def aligned(t):
+    """Whether t's first element is 16-byte aligned. A traced tensor's storage is (Inductor
+    allocates aligned buffers and copies a misaligned input before the graph runs), so its
+    offset into that storage decides."""
+    if traced(t):
+        return t.storage_offset() * t.element_size() % 16 == 0
+    return t.data_ptr() % 16 == 0
 
 
 def check_kernel_device(t):
@@ -269,6 +285,8 @@ class TunedKernel:
 
     def __call__(self, grid, key, *args, **constexprs):
         """args: the kernel's tensors, then its scalars; constexprs: the rest but the config's."""
+        if traced(args[0]):
+            return self.record(grid, key, *args, **constexprs)
         config = self.best.get(key)
         if config is None:
             config = self.best[key] = self.choose_config(grid, key, args, constexprs)
@@ -299,22 +317,47 @@ class TunedKernel:
         # only the first few are timed: each kernel's list is ordered best first (bench.py --configs).
         return short[:TIMED_CANDIDATES]
 
-    def choose_config(self, grid, key, args, constexprs):
+    def record(self, grid, key, *args, **constexprs):
+        """The launch as torch.compile records it, inside a torch.library.triton_op: through
+        torch.library.wrap_triton, so that the graph holds the kernel itself and Inductor's code
+        launches it. Nothing can be timed while tracing (untimed_config)."""
+        config = self.untimed_config(key, args[0])
+        torch.library.wrap_triton(self.kernel)[grid(config.kwargs)](
+            *args, **constexprs, **config.kwargs, num_warps=config.num_warps, num_stages=config.num_stages)
+
+    def untimed_config(self, key, q):
+        """The config a recorded launch takes: the one known without timing, else the first
+        candidate. Traced with dynamic shapes, the key holds symbols, not lengths: then the first
+        config that fits the card (choosing by a symbol's value would specialise the graph)."""
+        if len(self.configs) == 1:
+            return self.configs[0]
+        if any(isinstance(size, torch.SymInt) for size in key):
+            return prune_configs(self.configs, q, self.smem_rows)[0]
+        return self.best.get(key) or self.known_config(key, q) or self.candidates(key, q)[0]
+
+    def known_config(self, key, q):
+        """The config for key that needs no timing: the kernel's only config, the only candidate,
+        or the choice an earlier process saved (tuning_cache_path); None if only timing can tell."""
         if len(self.configs) == 1:  # a kernel with one config (it needs no tuning), launched cheaply
             return self.configs[0]
-        candidates = self.candidates(key, args[0])
+        candidates = self.candidates(key, q)
         if len(candidates) == 1:
             return candidates[0]
-        device = args[0].device
-        path, name = tuning_cache_path(device), f"{self.kernel.__name__} {tuple(key)}"
-        saved = load_tuning_choices(path).get(name)
-        for config in candidates:
-            if config_fields(config) == saved:
-                return config
-        if capturing(device):
+        saved = load_tuning_choices(tuning_cache_path(q.device)).get(self.choice_name(key))
+        return next((config for config in candidates if config_fields(config) == saved), None)
+
+    def choice_name(self, key):
+        return f"{self.kernel.__name__} {tuple(key)}"
+
+    def choose_config(self, grid, key, args, constexprs):
+        config = self.known_config(key, args[0])
+        if config is not None:
+            return config
+        candidates = self.candidates(key, args[0])
+        if capturing(args[0].device):
             return candidates[0]
         config = self.fastest_config(candidates, grid, args, constexprs)
-        save_tuning_choice(path, name, config)
+        save_tuning_choice(tuning_cache_path(args[0].device), self.choice_name(key), config)
         return config
 
     def fastest_config(self, candidates, grid, args, constexprs):

@@ -5,26 +5,26 @@
 `triton_fwd` triton_fwd_attention: Triton forward, PyTorch recompute backward
              (recompute_backward.py), kept so the two backwards can be compared.
 
-Every kernel call is a PyTorch custom operator (torch.ops.nanofa2.*, define_operator in
-triton_launch.py) with a fake implementation, which tells torch.compile its outputs' shapes and
-strides without running it, and `register_autograd`, which ties each forward to its backward.
-A compiled model with these backends is therefore one graph (`torch.compile(model,
-fullgraph=True)`), CUDA graphs included.
+Every kernel call is a PyTorch custom operator (torch.ops.nanofa2.*) with a fake
+implementation, which tells torch.compile its outputs' shapes and strides without running it,
+and `register_autograd`, which ties each forward to its backward. A compiled model with these
+backends is therefore one graph (`torch.compile(model, fullgraph=True)`), CUDA graphs included.
 
-Two routes to the same kernels: while torch.compile traces, the backends call the operators,
-which the graph needs; otherwise they call the kernels through an autograd.Function
-(TritonAttention), saving the same tensors and computing the same gradients. At the model's
-shapes the host, not the GPU, sets the pace, and the operators' autograd layer costs the host
-more per call than the kernels cost the GPU (docs/benchmarks.md, "The operators' host cost").
-
-The ops are opaque on every device: the compiler schedules around them but does not look
-inside. `torch.library.triton_op`, which lets Inductor see the kernels, was not chosen:
-  (a) it does not trace when the kernels run in the CPU interpreter, so CI could not check
-      the compiled path;
-  (b) its launches go through wrap_triton, losing TunedKernel's direct launches, which keep the
-      uncompiled model's host cost low (triton_launch.py);
-  (c) opaque ops already give a compiled model compiled sdpa's GPU time per step
-      (docs/optimisation.md, "Tried and rejected").
+Three routes to the same kernels:
+  - Uncompiled, the backends call the kernels through an autograd.Function (TritonAttention),
+    which saves the same tensors and computes the same gradients as the operators. At the
+    model's shapes the host, not the GPU, sets the pace, and the operators' autograd layer
+    costs the host more per call than the kernels cost the GPU (docs/benchmarks.md, "The
+    operators' host cost").
+  - Compiled on a GPU, they call `torch.library.triton_op`s (the *_traced operators): torch.compile
+    traces into them, the graph holds the kernel launches themselves (wrap_triton, in
+    TunedKernel.record) and Inductor's code makes them, with no operator dispatch and none of
+    this file's Python at each call.
+  - Compiled on the CPU, they call opaque operators (define_operator in triton_launch.py), whose
+    kernels run in the Triton interpreter: a triton_op cannot be traced there, since the
+    interpreter would run the kernel on the tracer's fake tensors.
+Every operator's Python is the same function on both kinds of operator (_attention_forward and
+the others below).
 
 A custom op may not return a view of an input, and its fake outputs must have the real ones'
 strides: every output is a new tensor laid out from the inputs' shapes and strides alone
@@ -37,6 +37,7 @@ Double backward is not supported: the backward ops' own gradient raises a clear 
 than give a wrong number (the saved lse's gradient is not modelled).
 """
 import torch
+from torch import Tensor
 
 from .inputs import check_inputs, check_triton_inputs, unpack_heads
 from .recompute_backward import recompute_backward
@@ -66,7 +67,7 @@ def _lse_for_kernels(lse, q):
 
 # ---------------------------------------------------------------- the operators
 
-def _attention_forward(q, k, v, is_causal):
+def _attention_forward(q: Tensor, k: Tensor, v: Tensor, is_causal: bool) -> tuple[Tensor, Tensor]:
     check_kernel_device(q)
     o, lse = _new_attention_outputs(q)
     flash_forward(descriptor_ready(q), descriptor_ready(k), descriptor_ready(v), is_causal, out=(o, lse))
@@ -86,7 +87,8 @@ _triton_fwd_forward_op = define_operator("triton_fwd_attention", _FORWARD_SCHEMA
 _BACKWARD_SCHEMA = "(Tensor q, Tensor k, Tensor v, Tensor o, Tensor do, Tensor lse, bool is_causal) -> (Tensor, Tensor, Tensor)"
 
 
-def _attention_backward(q, k, v, o, do, lse, is_causal):
+def _attention_backward(q: Tensor, k: Tensor, v: Tensor, o: Tensor, do: Tensor, lse: Tensor,
+                        is_causal: bool) -> tuple[Tensor, Tensor, Tensor]:
     dq, dk, dv = (new_output_like(as_4d(t)) for t in (q, k, v))
     flash_backward(*(descriptor_ready(t) for t in (q, k, v, o, do)), _lse_for_kernels(lse, q), is_causal,
                    out=(dq, dk, dv))
@@ -111,7 +113,7 @@ _recompute_backward_op = define_operator("recompute_attention_backward", _BACKWA
                                          _recomputed_attention_backward, _gradients_fake)
 
 
-def _packed_attention_forward(qkv, is_causal):
+def _packed_attention_forward(qkv: Tensor, is_causal: bool) -> tuple[Tensor, Tensor]:
     check_kernel_device(qkv)
     o, lse = _new_packed_outputs(qkv)
     flash_forward(*unpack_heads(_describable_qkv(qkv)), is_causal, out=(o.transpose(1, 2), lse))
@@ -133,7 +135,7 @@ _packed_forward_op = define_operator("triton_packed_attention", "(Tensor qkv, bo
                                      _packed_attention_forward, lambda qkv, is_causal: _new_packed_outputs(qkv))
 
 
-def _packed_attention_backward(qkv, o, do, lse, is_causal):
+def _packed_attention_backward(qkv: Tensor, o: Tensor, do: Tensor, lse: Tensor, is_causal: bool) -> Tensor:
     dqkv = qkv.new_empty(qkv.shape)  # contiguous, so its q, k, v views suit the kernels as they are
     flash_backward(*unpack_heads(_describable_qkv(qkv)), descriptor_ready(o.transpose(1, 2)),
                    descriptor_ready(do.transpose(1, 2)), lse.contiguous(), is_causal, out=unpack_heads(dqkv))
@@ -143,6 +145,28 @@ def _packed_attention_backward(qkv, o, do, lse, is_causal):
 _packed_backward_op = define_operator(
     "triton_packed_attention_backward", "(Tensor qkv, Tensor o, Tensor do, Tensor lse, bool is_causal) -> Tensor",
     _packed_attention_backward, lambda qkv, o, do, lse, is_causal: qkv.new_empty(qkv.shape))
+
+
+# ---------------------------------------------------------------- the traced twins (torch.compile on a GPU)
+# The same kernel functions as torch.library.triton_ops (see the module docstring). triton_op
+# takes the function itself as the fake implementation: traced, it allocates the outputs and
+# records the launches (TunedKernel.record).
+def _traced_operator(name, kernel):
+    torch.library.triton_op(f"nanofa2::{name}_traced", kernel, mutates_args=())
+    return getattr(torch.ops.nanofa2, f"{name}_traced").default
+
+
+_triton_forward_traced = _traced_operator("triton_attention", _attention_forward)
+_triton_fwd_forward_traced = _traced_operator("triton_fwd_attention", _attention_forward)
+_triton_backward_traced = _traced_operator("triton_attention_backward", _attention_backward)
+_packed_forward_traced = _traced_operator("triton_packed_attention", _packed_attention_forward)
+_packed_backward_traced = _traced_operator("triton_packed_attention_backward", _packed_attention_backward)
+# the opaque forward operator -> its traced twin, which torch.compile takes on a GPU
+_TRACED_ON_GPU = {
+    _triton_forward_op: _triton_forward_traced,
+    _triton_fwd_forward_op: _triton_fwd_forward_traced,
+    _packed_forward_op: _packed_forward_traced,
+}
 
 
 # ---------------------------------------------------------------- autograd
@@ -180,10 +204,16 @@ _OPERATOR_PAIRS = {
     _triton_forward_op: (_attention_forward, _triton_backward_op, _attention_backward, "triton"),
     _triton_fwd_forward_op: (_attention_forward, _recompute_backward_op, _recomputed_attention_backward, "triton_fwd"),
     _packed_forward_op: (_packed_attention_forward, _packed_backward_op, _packed_attention_backward, "triton"),
+    # The traced twins. triton_fwd's backward is PyTorch code: its opaque operator serves both.
+    _triton_forward_traced: (_attention_forward, _triton_backward_traced, _attention_backward, "triton"),
+    _triton_fwd_forward_traced: (_attention_forward, _recompute_backward_op, _recomputed_attention_backward,
+                                 "triton_fwd"),
+    _packed_forward_traced: (_packed_attention_forward, _packed_backward_traced, _packed_attention_backward, "triton"),
 }
 for forward_op, (_, backward_op, _, backend) in _OPERATOR_PAIRS.items():
     torch.library.register_autograd(forward_op, _backward_through(backward_op), setup_context=_save_for_backward,
                                     lib=OPERATORS)
+for backward_op, backend in {backward_op: backend for _, backward_op, _, backend in _OPERATOR_PAIRS.values()}.items():
     torch.library.register_autograd(backward_op, _refuse_double_backward(backend), lib=OPERATORS)
 
 
@@ -210,9 +240,10 @@ class TritonAttention(torch.autograd.Function):
 
 
 def _attention_op(forward_op, *inputs):
-    """forward_op(*inputs): the operator while torch.compile traces, its kernels otherwise."""
+    """forward_op(*inputs): while torch.compile traces, the operator (on a GPU its traced twin);
+    otherwise its kernels."""
     if torch.compiler.is_compiling():
-        return forward_op(*inputs)
+        return (_TRACED_ON_GPU[forward_op] if inputs[0].is_cuda else forward_op)(*inputs)
     return TritonAttention.apply(forward_op, *inputs)
 
 

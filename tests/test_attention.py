@@ -157,21 +157,25 @@ def test_packed_triton_keeps_one_autograd_node_and_contiguous_tensors():
     assert qkv.grad.is_contiguous()
 
 
-def test_the_operator_route_and_the_uncompiled_route_agree():
-    """torch.compile traces the operators; uncompiled calls go through TritonAttention to the same
-    kernels. Both must give the same output and the same gradient, bit for bit."""
+def test_the_operator_routes_and_the_uncompiled_route_agree():
+    """torch.compile traces the operators (on a GPU their traced twins); uncompiled calls go
+    through TritonAttention to the same kernels. All must give the same output and the same
+    gradient, bit for bit. (The traced twins run here as a plain call runs them; traced, they
+    need a GPU: tests/test_compile_gpu.py.)"""
     qkv = torch.randn(2, 29, 3, 2, 16, generator=torch.Generator().manual_seed(3))
     do = torch.randn(2, 29, 2, 16, generator=torch.Generator().manual_seed(4))
     results = []
     for route in (lambda x: torch.ops.nanofa2.triton_packed_attention(x, True)[0],
+                  lambda x: torch.ops.nanofa2.triton_packed_attention_traced(x, True)[0],
                   lambda x: packed_attention(x, is_causal=True, backend="triton")):
         x = qkv.clone().requires_grad_()
         o = route(x)
         o.backward(do)
         results.append((o.detach(), x.grad))
     assert o.grad_fn.name() == "TritonAttentionBackward"
-    for a, b in zip(*results):
-        assert torch.equal(a, b)
+    for route in results[1:]:
+        for a, b in zip(results[0], route):
+            assert torch.equal(a, b)
 
 
 class FakeKernel:

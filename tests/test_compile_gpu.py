@@ -3,7 +3,7 @@ The CPU versions of these checks are in test_attention.py, test_model.py and tes
 import pytest
 import torch
 
-from attention import attention, triton_launch
+from attention import attention, packed_attention, triton_launch
 from attention.inputs import unpack_heads
 from model import GPT, GPTConfig, compile_model
 from attention.triton_forward import _attn_fwd_tuned
@@ -14,18 +14,43 @@ from conftest import run_script
 pytestmark = pytest.mark.gpu
 
 
-def test_gpu_custom_ops_pass_opcheck():
+@pytest.mark.parametrize("suffix", ["", "_traced"])
+def test_gpu_custom_ops_pass_opcheck(suffix):
+    """The opaque operators, and their torch.library.triton_op twins that torch.compile takes on a GPU."""
+    ops = torch.ops.nanofa2
     qkv = torch.randn(2, 300, 3, 2, 64, device="cuda", dtype=torch.bfloat16)
     q, k, v = (t.detach().requires_grad_() for t in unpack_heads(qkv))
-    for op in (torch.ops.nanofa2.triton_attention, torch.ops.nanofa2.triton_fwd_attention):
-        torch.library.opcheck(op, (q, k, v, True))
-    o, lse = (t.detach() for t in torch.ops.nanofa2.triton_attention(q, k, v, True))  # the backward ops' own inputs
-    for op in (torch.ops.nanofa2.triton_attention_backward, torch.ops.nanofa2.recompute_attention_backward):
+    for name in ("triton_attention", "triton_fwd_attention"):
+        torch.library.opcheck(getattr(ops, name + suffix), (q, k, v, True))
+    o, lse = (t.detach() for t in ops.triton_attention(q, k, v, True))  # the backward ops' own inputs
+    for op in (getattr(ops, "triton_attention_backward" + suffix), ops.recompute_attention_backward):
         torch.library.opcheck(op, (q.detach(), k.detach(), v.detach(), o, torch.randn_like(o), lse, True))
-    torch.library.opcheck(torch.ops.nanofa2.triton_packed_attention, (qkv.requires_grad_(), True))
-    o, lse = torch.ops.nanofa2.triton_packed_attention(qkv.detach(), True)
-    torch.library.opcheck(torch.ops.nanofa2.triton_packed_attention_backward,
+    torch.library.opcheck(getattr(ops, "triton_packed_attention" + suffix), (qkv.requires_grad_(), True))
+    o, lse = ops.triton_packed_attention(qkv.detach(), True)
+    torch.library.opcheck(getattr(ops, "triton_packed_attention_backward" + suffix),
                           (qkv.detach(), o, torch.randn_like(o), lse, True))
+
+
+def test_gpu_inductor_launches_the_kernels_itself():
+    """Compiled on a GPU, the graph holds the Triton kernels (through the triton_op twins), not a
+    call to an opaque operator: Inductor's generated code launches _attn_fwd, _attn_bwd_delta and
+    _attn_bwd."""
+    from torch._inductor.utils import run_and_get_code
+
+    qkv = torch.randn(2, 300, 3, 2, 64, device="cuda", dtype=torch.bfloat16, requires_grad=True)
+    step = torch.compile(lambda x: packed_attention(x, True, "triton").float().square().sum(), fullgraph=True)
+
+    def forward_and_backward(x):
+        step(x).backward()
+        return x.grad
+    grad, code = run_and_get_code(forward_and_backward, qkv)
+    code = "\n".join(code)
+    for kernel in ("_attn_fwd", "_attn_bwd_delta", "_attn_bwd"):
+        assert kernel in code
+    assert "triton_packed_attention.default(" not in code  # no call to the opaque operator
+    x = qkv.detach().requires_grad_()
+    packed_attention(x, True, "triton").float().square().sum().backward()
+    torch.testing.assert_close(grad, x.grad)
 
 
 @pytest.mark.parametrize("attn", ["triton", "triton_fwd"])
