@@ -67,9 +67,9 @@ def traced(t):
 
 
 def aligned(t):
-    """Whether t's first element is 16-byte aligned. A traced tensor's storage is (Inductor
-    allocates aligned buffers and copies a misaligned input before the graph runs), so its
-    offset into that storage decides."""
+    """Whether t's first element is 16-byte aligned. A traced tensor's storage will be aligned
+    (Inductor allocates aligned buffers and copies a misaligned input before the graph runs),
+    so its offset into that storage decides."""
     if traced(t):
         return t.storage_offset() * t.element_size() % 16 == 0
     return t.data_ptr() % 16 == 0
@@ -137,9 +137,9 @@ def heads_first(k):
     heads, which every program streams, fit in half the L2. That is the model's case, where a
     grid is one or two waves of programs and one head's tiles in a row left a tail of long
     programs at the end. Beyond that (the paper's shapes), programs of many heads at once evict
-    each other's tiles, and one head's tiles together are faster (docs/benchmarks.md, "The grid
-    order"). Also whenever B * H exceeds what the grid's y dimension holds."""
-    B, H, N_K, _ = k.shape
+    each other's tiles, and one head's tiles together are faster (docs/optimisation.md, "The
+    grid order"). Also whenever B * H exceeds what the grid's y dimension holds."""
+    B, H = k.shape[:2]
     return 2 * k.numel() * k.element_size() <= l2_bytes(k.device) // 2 or B * H > GRID_Y_LIMIT
 
 
@@ -329,9 +329,7 @@ class TunedKernel:
         """The config a recorded launch takes: the one known without timing, else the first
         candidate. Traced with dynamic shapes, the key holds symbols, not lengths: then the first
         config that fits the card (choosing by a symbol's value would specialise the graph)."""
-        if len(self.configs) == 1:
-            return self.configs[0]
-        if any(isinstance(size, torch.SymInt) for size in key):
+        if len(self.configs) > 1 and any(isinstance(size, torch.SymInt) for size in key):
             return prune_configs(self.configs, q, self.smem_rows)[0]
         return self.best.get(key) or self.known_config(key, q) or self.candidates(key, q)[0]
 

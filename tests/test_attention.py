@@ -279,6 +279,33 @@ def test_tuning_never_times_inside_a_cuda_graph_capture(timed_configs, monkeypat
     assert FakeKernel.last_config["BLOCK_M"] == 16  # the first candidate
 
 
+def test_a_traced_launch_is_recorded_with_the_config_known_without_timing(timed_configs, monkeypatch):
+    """While torch.compile traces a triton_op, TunedKernel records the launch (wrap_triton)
+    instead of making it, and times nothing: it takes a choice saved on disk, else the first
+    candidate."""
+    from torch._subclasses.fake_tensor import FakeTensorMode
+
+    recorded = []
+
+    class Recorder:
+        def __init__(self, kernel):
+            self.kernel = kernel
+
+        def __getitem__(self, grid):
+            return lambda *args, **kwargs: recorded.append((grid, kwargs["BLOCK_M"], kwargs["num_warps"]))
+    monkeypatch.setattr(torch.library, "wrap_triton", Recorder)
+    grid, key = lambda meta: (128 // meta["BLOCK_M"], 1), TuningKey(128, 128, 16, True, torch.float32)
+    x = torch.randn(64, 16)
+    with FakeTensorMode() as mode:
+        fake_x = mode.from_tensor(x)
+    TunedKernel(FakeKernel(), TIMING_CONFIGS, lambda config: [(0, 0)])(grid, key, fake_x, 64)
+    assert recorded == [((8, 1), 16, 4)] and timed_configs == []  # the first candidate, untimed
+    TunedKernel(FakeKernel(), TIMING_CONFIGS, lambda config: [(0, 0)])(grid, key, x, 64)  # a real launch tunes, saves
+    assert timed_configs == [16, 32, 128]
+    TunedKernel(FakeKernel(), TIMING_CONFIGS, lambda config: [(0, 0)])(grid, key, fake_x, 64)
+    assert recorded[1] == ((4, 1), 32, 4) and len(timed_configs) == 3  # the saved choice, untimed
+
+
 @pytest.mark.parametrize("backend", ["triton", "triton_fwd"])
 def test_triton_output_and_gradients_keep_the_inputs_memory_order(backend):
     """For the model's views of one (B, T, 3, H, D) projection, O and dQ, dK, dV come out
@@ -370,6 +397,14 @@ def test_tiled_any_tile_size(tile_size):
     o = FlashAttentionPytorch.apply(q, k, v, True, tile_size, tile_size)
     o_ref, *_ = reference(q, k, v, True, torch.ones_like(o))
     assert_close(o, o_ref, 1e-5, f"tiled O (tile {tile_size})")
+
+
+def test_the_grid_puts_heads_first_when_all_keys_and_values_fit_in_half_the_l2():
+    """The interpreter assumes the target card's 48 MB L2 (meta tensors: shapes without memory)."""
+    keys = lambda *shape: torch.empty(shape, dtype=torch.bfloat16, device="meta")
+    assert triton_launch.heads_first(keys(1, 6, 4096, 64))  # the model's long context: 6 MB of K and V
+    assert not triton_launch.heads_first(keys(16, 32, 1024, 64))  # the paper's: 134 MB
+    assert triton_launch.heads_first(keys(70000, 1, 64, 64))  # more (batch, head)s than the grid's y holds
 
 
 def launch_heads_first(monkeypatch, heads_first):
