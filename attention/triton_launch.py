@@ -15,6 +15,7 @@ from typing import NamedTuple
 
 import torch
 import triton
+from torch.utils._python_dispatch import _disable_current_modes
 
 INTERPRETING = os.environ.get("TRITON_INTERPRET") == "1"
 
@@ -64,6 +65,14 @@ def traced(t):
     fake or functional tensor, both torch.Tensor subclasses): it has a shape and strides but no
     memory, so a kernel launch can only be recorded for it (TunedKernel.record), not made."""
     return type(t) is not torch.Tensor
+
+
+def real_stand_in(t):
+    """A real tensor, of random values, with a traced tensor's dtype, device, shape, strides and
+    storage offset: what TunedKernel times a traced launch's configs on."""
+    elements = t.storage_offset() + sum((size - 1) * stride for size, stride in zip(t.shape, t.stride())) + 1
+    storage = torch.randn(elements, dtype=t.dtype, device=t.device)
+    return storage.as_strided(t.shape, t.stride(), t.storage_offset())
 
 
 def aligned(t):
@@ -262,9 +271,11 @@ class TunedKernel:
     (tuning_cache_path), or else times the first TIMED_CANDIDATES configs that fit the card and
     the sequence (each list is ordered best first) on the real arguments, replayed from a CUDA
     graph (each kernel writes its outputs whole, with no atomics, so running it several times is
-    harmless), and saves the winner. Inside a CUDA graph capture nothing is timed (that
-    would sync and record the timing launches): a key met there for the first time, with no
-    saved choice, keeps the first candidate for the process. `tunings` counts the timed tunings.
+    harmless), and saves the winner. While torch.compile traces, the same choice is made on real
+    stand-ins for the traced tensors (traced_config). Inside a CUDA graph capture nothing is
+    timed (that would sync and record the timing launches): a key met there for the first
+    time, with no saved choice, keeps the first candidate for the process. `tunings` counts the
+    timed tunings.
 
     Why not triton.autotune (with key, prune_configs_by and cache_results, which also persists):
     its launches go through kernel[grid](...), where Triton's launcher binds the ~30 arguments,
@@ -320,18 +331,27 @@ class TunedKernel:
     def record(self, grid, key, *args, **constexprs):
         """The launch as torch.compile records it, inside a torch.library.triton_op: through
         torch.library.wrap_triton, so that the graph holds the kernel itself and Inductor's code
-        launches it. Nothing can be timed while tracing (untimed_config)."""
-        config = self.untimed_config(key, args[0])
+        launches it."""
+        config = self.traced_config(grid, key, args, constexprs)
         torch.library.wrap_triton(self.kernel)[grid(config.kwargs)](
             *args, **constexprs, **config.kwargs, num_warps=config.num_warps, num_stages=config.num_stages)
 
-    def untimed_config(self, key, q):
-        """The config a recorded launch takes: the one known without timing, else the first
-        candidate. Traced with dynamic shapes, the key holds symbols, not lengths: then the first
-        config that fits the card (choosing by a symbol's value would specialise the graph)."""
-        if len(self.configs) > 1 and any(isinstance(size, torch.SymInt) for size in key):
-            return prune_configs(self.configs, q, self.smem_rows)[0]
-        return self.best.get(key) or self.known_config(key, q) or self.candidates(key, q)[0]
+    def traced_config(self, grid, key, args, constexprs):
+        """The config a recorded launch takes: chosen as an uncompiled launch's is (choose_config),
+        on real stand-ins for the traced tensors, so that a compiled model runs the configs an
+        uncompiled one would and a first compile tunes once and saves the choice. Traced with
+        dynamic shapes the lengths are symbols, which no timing can stand in for: then the
+        first config that fits the card (choosing by a symbol's value would specialise the graph)."""
+        if len(self.configs) == 1:  # nothing to choose (the backward's delta kernel)
+            return self.configs[0]
+        if any(isinstance(value, torch.SymInt) for value in (*key, *args)):
+            return prune_configs(self.configs, args[0], self.smem_rows)[0]
+        config = self.best.get(key)
+        if config is None:
+            with _disable_current_modes():  # real tensors, outside the tracer's fake-tensor mode
+                stand_ins = [real_stand_in(a) if isinstance(a, torch.Tensor) else a for a in args]
+                config = self.best[key] = self.choose_config(grid, key, stand_ins, constexprs)
+        return config
 
     def known_config(self, key, q):
         """The config for key that needs no timing: the kernel's only config, the only candidate,

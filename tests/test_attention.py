@@ -279,13 +279,15 @@ def test_tuning_never_times_inside_a_cuda_graph_capture(timed_configs, monkeypat
     assert FakeKernel.last_config["BLOCK_M"] == 16  # the first candidate
 
 
-def test_a_traced_launch_is_recorded_with_the_config_known_without_timing(timed_configs, monkeypatch):
+def test_a_traced_launch_is_tuned_on_real_stand_ins_and_recorded(timed_configs, monkeypatch):
     """While torch.compile traces a triton_op, TunedKernel records the launch (wrap_triton)
-    instead of making it, and times nothing: it takes a choice saved on disk, else the first
-    candidate."""
+    instead of making it. A new key is tuned first, as an uncompiled launch would be, on real
+    tensors shaped and strided like the traced ones, and the choice is saved; a later trace
+    takes the saved choice untimed. With dynamic shapes nothing is timed."""
     from torch._subclasses.fake_tensor import FakeTensorMode
+    from torch.fx.experimental.symbolic_shapes import ShapeEnv
 
-    recorded = []
+    recorded, timed_on = [], []
 
     class Recorder:
         def __init__(self, kernel):
@@ -294,16 +296,28 @@ def test_a_traced_launch_is_recorded_with_the_config_known_without_timing(timed_
         def __getitem__(self, grid):
             return lambda *args, **kwargs: recorded.append((grid, kwargs["BLOCK_M"], kwargs["num_warps"]))
     monkeypatch.setattr(torch.library, "wrap_triton", Recorder)
+    monkeypatch.setattr(FakeKernel, "warmup", lambda self, *args, grid, **kwargs: timed_on.append(args[0]))
     grid, key = lambda meta: (128 // meta["BLOCK_M"], 1), TuningKey(128, 128, 16, True, torch.float32)
-    x = torch.randn(64, 16)
+    x = torch.randn(80, 16)[8:72]  # a view: offset 128, strides (16, 1)
     with FakeTensorMode() as mode:
         fake_x = mode.from_tensor(x)
     TunedKernel(FakeKernel(), TIMING_CONFIGS, lambda config: [(0, 0)])(grid, key, fake_x, 64)
-    assert recorded == [((8, 1), 16, 4)] and timed_configs == []  # the first candidate, untimed
-    TunedKernel(FakeKernel(), TIMING_CONFIGS, lambda config: [(0, 0)])(grid, key, x, 64)  # a real launch tunes, saves
-    assert timed_configs == [16, 32, 128]
+    assert recorded == [((4, 1), 32, 4)] and timed_configs == [16, 32, 128]  # tuned: the fastest is recorded
+    stand_in = timed_on[0]
+    assert type(stand_in) is torch.Tensor and stand_in.std() > 0.5
+    assert (stand_in.shape, stand_in.stride(), stand_in.storage_offset()) == ((64, 16), (16, 1), 128)
     TunedKernel(FakeKernel(), TIMING_CONFIGS, lambda config: [(0, 0)])(grid, key, fake_x, 64)
-    assert recorded[1] == ((4, 1), 32, 4) and len(timed_configs) == 3  # the saved choice, untimed
+    assert recorded[1] == ((4, 1), 32, 4) and len(timed_configs) == 3  # another process: the saved choice
+    with FakeTensorMode(shape_env=ShapeEnv(), static_shapes=False) as mode:
+        dynamic_x = mode.from_tensor(x)
+    n = dynamic_x.shape[0]  # a symbol: the first fitting config, untimed
+    TunedKernel(FakeKernel(), TIMING_CONFIGS, lambda config: [(0, 0)])(
+        lambda meta: (1, 1), TuningKey(n, n, 16, True, torch.float32), dynamic_x, 64)
+    assert isinstance(n, torch.SymInt) and recorded[2][1] == 16 and len(timed_configs) == 3
+    one_config = triton.Config({"BLOCK_M": 64}, num_warps=2)  # a kernel with one config: no USE_TMA to prune on
+    TunedKernel(FakeKernel(), [one_config], None)(lambda meta: (1, 1), TuningKey(n, n, 16, True, torch.float32),
+                                                  dynamic_x, 64)
+    assert recorded[3] == ((1, 1), 64, 2) and len(timed_configs) == 3
 
 
 @pytest.mark.parametrize("backend", ["triton", "triton_fwd"])
