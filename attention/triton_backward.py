@@ -24,7 +24,7 @@ import torch
 import triton
 import triton.language as tl
 
-from .triton_launch import (INTERPRETING, TunedKernel, descriptor_ready, heads_first, program_grid,
+from .triton_launch import (INTERPRETING, TunedKernel, dense_strides, descriptor_ready, heads_first, program_grid,
                             set_tma_scratch_allocator, tuning_key)
 from .triton_tiles import (LOG2_E, head_matrix, key_tile_bounds, load_tile, program_tile_and_head, query_tile_bounds,
                            query_tile_start, store_tile, visible_in_tile)
@@ -90,15 +90,17 @@ def _dq_key_tiles(dq, q_tile, do_tile, lse, delta, K, V, stride_kn, stride_vn, s
 
 
 @triton.jit(do_not_specialize=["N_Q", "N_K"])
-def _attn_bwd(Q, K, V, dO, dQ, dK, dV, LSE, DELTA,
+def _attn_bwd(Q, K, V, dO, GRADS, LSE, DELTA, dq_offset, dk_offset, dv_offset,
               stride_qb, stride_qh, stride_qn, stride_kb, stride_kh, stride_kn,
               stride_vb, stride_vh, stride_vn, stride_dob, stride_doh, stride_don,
               stride_dqb, stride_dqh, stride_dqn, stride_dkb, stride_dkh, stride_dkn, stride_dvb, stride_dvh, stride_dvn,
               H, N_Q, N_K, qk_scale, sm_scale,
               IS_CAUSAL: tl.constexpr, HEAD_DIM: tl.constexpr, HEADS_FIRST: tl.constexpr,
               BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr, DKDV_BLOCK_M: tl.constexpr, USE_TMA: tl.constexpr):
-    """Key tiles have BLOCK_N rows in both jobs. Query tiles: BLOCK_M rows where a dQ program
-    holds one, DKDV_BLOCK_M rows where a dK/dV program streams them (each job has its best)."""
+    """dQ, dK and dV are written into one tensor, GRADS, from element offsets dq_offset,
+    dk_offset and dv_offset (flash_backward says why). Key tiles have BLOCK_N rows in both jobs.
+    Query tiles: BLOCK_M rows where a dQ program holds one, DKDV_BLOCK_M rows where a dK/dV
+    program streams them (each job has its best)."""
     tile, bh, tiles = program_tile_and_head(HEADS_FIRST)
     qk_scale, sm_scale = tl.cast(qk_scale, tl.float32), tl.cast(sm_scale, tl.float32)  # Inductor: float64
     K = head_matrix(K, bh, H, stride_kb, stride_kh, stride_kn, N_K, HEAD_DIM, BLOCK_N, USE_TMA)
@@ -114,8 +116,8 @@ def _attn_bwd(Q, K, V, dO, dQ, dK, dV, LSE, DELTA,
         start_n = tile * BLOCK_N
         streamed_q = head_matrix(Q, bh, H, stride_qb, stride_qh, stride_qn, N_Q, HEAD_DIM, DKDV_BLOCK_M, USE_TMA)
         streamed_do = head_matrix(dO, bh, H, stride_dob, stride_doh, stride_don, N_Q, HEAD_DIM, DKDV_BLOCK_M, USE_TMA)
-        dk_matrix = head_matrix(dK, bh, H, stride_dkb, stride_dkh, stride_dkn, N_K, HEAD_DIM, BLOCK_N, USE_TMA)
-        dv_matrix = head_matrix(dV, bh, H, stride_dvb, stride_dvh, stride_dvn, N_K, HEAD_DIM, BLOCK_N, USE_TMA)
+        dk_matrix = head_matrix(GRADS + dk_offset, bh, H, stride_dkb, stride_dkh, stride_dkn, N_K, HEAD_DIM, BLOCK_N, USE_TMA)
+        dv_matrix = head_matrix(GRADS + dv_offset, bh, H, stride_dvb, stride_dvh, stride_dvn, N_K, HEAD_DIM, BLOCK_N, USE_TMA)
         cols = start_n + tl.arange(0, BLOCK_N)
         k_tile = load_tile(K, start_n, N_K, stride_kn, BLOCK_N, HEAD_DIM, USE_TMA)  # keys past N_K: zeros, never stored
         v_tile = load_tile(V, start_n, N_K, stride_vn, BLOCK_N, HEAD_DIM, USE_TMA)
@@ -135,7 +137,7 @@ def _attn_bwd(Q, K, V, dO, dQ, dK, dV, LSE, DELTA,
         start_m = query_tile_start(tile - key_tiles, tiles - key_tiles, IS_CAUSAL, BLOCK_M)
         q_matrix = head_matrix(Q, bh, H, stride_qb, stride_qh, stride_qn, N_Q, HEAD_DIM, BLOCK_M, USE_TMA)
         do_matrix = head_matrix(dO, bh, H, stride_dob, stride_doh, stride_don, N_Q, HEAD_DIM, BLOCK_M, USE_TMA)
-        dq_matrix = head_matrix(dQ, bh, H, stride_dqb, stride_dqh, stride_dqn, N_Q, HEAD_DIM, BLOCK_M, USE_TMA)
+        dq_matrix = head_matrix(GRADS + dq_offset, bh, H, stride_dqb, stride_dqh, stride_dqn, N_Q, HEAD_DIM, BLOCK_M, USE_TMA)
         rows = start_m + tl.arange(0, BLOCK_M)
         q_tile = load_tile(q_matrix, start_m, N_Q, stride_qn, BLOCK_M, HEAD_DIM, USE_TMA)
         do_tile = load_tile(do_matrix, start_m, N_Q, stride_don, BLOCK_M, HEAD_DIM, USE_TMA)
@@ -176,15 +178,33 @@ _attn_bwd_tuned = TunedKernel(_attn_bwd, BACKWARD_CONFIGS, backward_smem_rows)
 _attn_bwd_delta_launch = TunedKernel(_attn_bwd_delta, [DELTA_CONFIG], smem_rows=None)
 
 
+def gradient_views(grads, q, k, v):
+    """dq, dk, dv as views of the flat tensor grads, one after another, each shaped like the
+    (B, H, N, D) q, k, v and laid out in its memory order (dense_strides)."""
+    views, offset = [], 0
+    for t in (q, k, v):
+        views.append(grads.as_strided(t.shape, dense_strides(t), offset))
+        offset += t.numel()
+    return views
+
+
+def new_gradients(q, k, v):
+    """(grads, dq, dk, dv): a new flat tensor and gradient_views of it."""
+    grads = torch.empty(q.numel() + k.numel() + v.numel(), dtype=q.dtype, device=q.device)
+    return grads, *gradient_views(grads, q, k, v)
+
+
 def flash_backward(q, k, v, o, do, lse, is_causal, out=None, config=None):
     """Gradients of O = attention(q, k, v) for (B, H, N, D) descriptor-ready q, k, v, o, do
-    and the forward's contiguous float32 lse. Returns dq, dk, dv: written into out, descriptor-
-    ready views, when given; otherwise new tensors in the dtypes and memory order of q, k, v
-    (for the model's views of one fused projection, the order its gradient is assembled in).
+    and the forward's contiguous float32 lse. Returns dq, dk, dv, which are views of one tensor,
+    grads, that the kernel writes: out = (grads, dq, dk, dv) gives them (for the model's fused
+    projection, its gradient and the q, k, v views of it), else they are new_gradients.
+    Why one tensor: compiled, a kernel's writes to views cost copies of their base (five of
+    them for a packed gradient, docs/optimisation.md "The compiled route"); to one fresh tensor, none.
     config: a triton.Config of _attn_bwd to bypass the tuning (tests, bench.py)."""
     B, H, N_Q, D = q.shape
     N_K = k.shape[2]
-    dq, dk, dv = out if out is not None else (torch.empty_like(q), torch.empty_like(k), torch.empty_like(v))
+    grads, dq, dk, dv = out if out is not None else new_gradients(q, k, v)
     if INTERPRETING and q.dtype == torch.bfloat16:  # as in flash_forward: the interpreter's bf16 dot is garbage
         grads32 = flash_backward(*(descriptor_ready(t.float()) for t in (q, k, v, o, do)), lse, is_causal,
                                  config=config)
@@ -201,7 +221,8 @@ def flash_backward(q, k, v, o, do, lse, is_causal, out=None, config=None):
                            HEADS_FIRST=heads_go_first)
 
     sm_scale = D ** -0.5
-    args = (q, k, v, do, dq, dk, dv, lse, delta, *q.stride()[:3], *k.stride()[:3], *v.stride()[:3],
+    offsets = (t.storage_offset() - grads.storage_offset() for t in (dq, dk, dv))
+    args = (q, k, v, do, grads, lse, delta, *offsets, *q.stride()[:3], *k.stride()[:3], *v.stride()[:3],
             *do.stride()[:3], *dq.stride()[:3], *dk.stride()[:3], *dv.stride()[:3], H, N_Q, N_K, sm_scale * LOG2_E,
             sm_scale)
     # The key-tile programs first, then the query-tile programs (see _attn_bwd).

@@ -43,6 +43,20 @@ def as_4d(t):
     return t.reshape(-1, *t.shape[-3:])
 
 
+def dense_strides(t):
+    """The strides of a new dense tensor shaped like t whose dims lie in memory in t's order (as
+    torch.empty_like lays out a strided t, computed without allocating): for the model's (B, H,
+    N, D) views of a (B, N, 3, H, D) projection, (B, N, H, D) order. Contiguous strides when that
+    order has no unit stride along the last dim, which the kernels need."""
+    order = sorted(range(t.dim()), key=t.stride, reverse=True)  # outermost first; a stable sort keeps ties in place
+    if order[-1] != t.dim() - 1:
+        order = range(t.dim())
+    strides, step = [0] * t.dim(), 1
+    for dim in reversed(order):
+        strides[dim], step = step, step * t.shape[dim]
+    return tuple(strides)
+
+
 def descriptor_ready(t):
     """t as a (B, H, N, D) view the kernels can build TMA descriptors on (see tma_describable).
     The model's q, k, v views always qualify; anything else (an odd slice, an expanded

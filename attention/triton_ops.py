@@ -28,7 +28,9 @@ the others below).
 
 A custom op may not return a view of an input, and its fake outputs must have the real ones'
 strides: every output is a new tensor laid out from the inputs' shapes and strides alone
-(new_output_like), the same way by the real and the fake implementation. The forwards save
+(new_output_like, new_gradients), the same way by the real and the fake implementation. The
+kernels write whole new tensors, never views of one: compiled, a kernel's write into a view
+costs a copy of its base and a scatter back (docs/optimisation.md, "The compiled route"). The forwards save
 exactly (Q, K, V, O, lse) for backward (the packed one: QKV, O, lse). Leading dims are folded into
 (B, H) views, so any (..., N, D) input works; q, k, v are read through their strides, never
 copied, unless their layout is one TMA cannot describe (see triton_launch.descriptor_ready).
@@ -41,18 +43,17 @@ from torch import Tensor
 
 from .inputs import check_inputs, check_triton_inputs, unpack_heads
 from .recompute_backward import recompute_backward
-from .triton_backward import flash_backward
+from .triton_backward import flash_backward, gradient_views, new_gradients
 from .triton_forward import flash_forward
-from .triton_launch import OPERATORS, as_4d, check_kernel_device, define_operator, descriptor_ready, tma_describable
+from .triton_launch import (OPERATORS, as_4d, check_kernel_device, define_operator, dense_strides, descriptor_ready,
+                            tma_describable)
 
 
 def new_output_like(t):
-    """An empty tensor shaped like the (B, H, N, D) t, in t's memory order: for the model's views
-    of a (B, N, 3, H, D) projection that is (B, N, H, D), so the transpose back to (B, N, H * D)
-    after attention is free, and so is autograd's stacking of the three gradients. Contiguous
-    if that order has no unit stride along D (the kernels take none)."""
-    out = torch.empty_like(t)
-    return out if out.stride(-1) == 1 else torch.empty(t.shape, dtype=t.dtype, device=t.device)
+    """An empty tensor shaped like the (B, H, N, D) t, in t's memory order (dense_strides): for
+    the model's views of a (B, N, 3, H, D) projection that is (B, N, H, D), so the transpose back
+    to (B, N, H * D) after attention is free. The gradients are laid out the same way."""
+    return torch.empty_strided(t.shape, dense_strides(t), dtype=t.dtype, device=t.device)
 
 
 def _new_attention_outputs(q):
@@ -84,19 +85,25 @@ _FORWARD_SCHEMA = "(Tensor q, Tensor k, Tensor v, bool is_causal) -> (Tensor, Te
 _triton_forward_op = define_operator("triton_attention", _FORWARD_SCHEMA, _attention_forward, _attention_forward_fake)
 _triton_fwd_forward_op = define_operator("triton_fwd_attention", _FORWARD_SCHEMA, _attention_forward,
                                          _attention_forward_fake)
-_BACKWARD_SCHEMA = "(Tensor q, Tensor k, Tensor v, Tensor o, Tensor do, Tensor lse, bool is_causal) -> (Tensor, Tensor, Tensor)"
+# The backward ops return dQ, dK and dV in one flat tensor (see flash_backward), which autograd
+# splits into views (_gradients): a custom op's outputs may not alias one another.
+_BACKWARD_SCHEMA = "(Tensor q, Tensor k, Tensor v, Tensor o, Tensor do, Tensor lse, bool is_causal) -> Tensor"
+
+
+def _new_gradients(q, k, v):
+    return new_gradients(*(as_4d(t) for t in (q, k, v)))
 
 
 def _attention_backward(q: Tensor, k: Tensor, v: Tensor, o: Tensor, do: Tensor, lse: Tensor,
-                        is_causal: bool) -> tuple[Tensor, Tensor, Tensor]:
-    dq, dk, dv = (new_output_like(as_4d(t)) for t in (q, k, v))
+                        is_causal: bool) -> Tensor:
+    grads, dq, dk, dv = _new_gradients(q, k, v)
     flash_backward(*(descriptor_ready(t) for t in (q, k, v, o, do)), _lse_for_kernels(lse, q), is_causal,
-                   out=(dq, dk, dv))
-    return dq.view(q.shape), dk.view(k.shape), dv.view(v.shape)
+                   out=(grads, dq, dk, dv))
+    return grads
 
 
 def _gradients_fake(q, k, v, o, do, lse, is_causal):
-    return tuple(new_output_like(as_4d(t)).view(t.shape) for t in (q, k, v))
+    return _new_gradients(q, k, v)[0]
 
 
 _triton_backward_op = define_operator("triton_attention_backward", _BACKWARD_SCHEMA, _attention_backward,
@@ -105,8 +112,10 @@ _triton_backward_op = define_operator("triton_attention_backward", _BACKWARD_SCH
 
 def _recomputed_attention_backward(q, k, v, o, do, lse, is_causal):
     # Opaque like the others, so that its own gradient can refuse double backward.
-    grads = recompute_backward(q, k, v, o, lse, do, is_causal)
-    return tuple(new_output_like(as_4d(t)).view(t.shape).copy_(g) for t, g in zip((q, k, v), grads))
+    grads, *views = _new_gradients(q, k, v)
+    for view, g in zip(views, recompute_backward(q, k, v, o, lse, do, is_causal)):
+        view.copy_(as_4d(g))
+    return grads
 
 
 _recompute_backward_op = define_operator("recompute_attention_backward", _BACKWARD_SCHEMA,
@@ -115,15 +124,19 @@ _recompute_backward_op = define_operator("recompute_attention_backward", _BACKWA
 
 def _packed_attention_forward(qkv: Tensor, is_causal: bool) -> tuple[Tensor, Tensor]:
     check_kernel_device(qkv)
-    o, lse = _new_packed_outputs(qkv)
-    flash_forward(*unpack_heads(_describable_qkv(qkv)), is_causal, out=(o.transpose(1, 2), lse))
-    return o, lse
+    o_heads, lse = _new_packed_outputs(qkv)
+    flash_forward(*unpack_heads(_describable_qkv(qkv)), is_causal, out=(o_heads, lse))
+    return o_heads.transpose(1, 2), lse
 
 
 def _new_packed_outputs(qkv):
-    """O (B, N, H, D) contiguous, which the kernels write through its (B, H, N, D) view, and lse (B, H, N)."""
+    """O as the kernels' (B, H, N, D), laid out (B, N, H, D) in memory, and lse (B, H, N). O is
+    allocated in that layout rather than taken as a view of a (B, N, H, D) tensor: compiled, a
+    kernel that writes a view costs a copy into its base (docs/optimisation.md, "The compiled
+    route")."""
     B, N, _, H, D = qkv.shape
-    return qkv.new_empty(B, N, H, D), torch.empty(B, H, N, dtype=torch.float32, device=qkv.device)
+    o_heads = torch.empty_strided((B, H, N, D), (N * H * D, D, H * D, 1), dtype=qkv.dtype, device=qkv.device)
+    return o_heads, torch.empty(B, H, N, dtype=torch.float32, device=qkv.device)
 
 
 def _describable_qkv(qkv):
@@ -131,14 +144,20 @@ def _describable_qkv(qkv):
     return qkv if tma_describable(qkv, row_dim=1) else qkv.clone(memory_format=torch.contiguous_format)
 
 
+def _packed_attention_forward_fake(qkv, is_causal):
+    o_heads, lse = _new_packed_outputs(qkv)
+    return o_heads.transpose(1, 2), lse
+
+
 _packed_forward_op = define_operator("triton_packed_attention", "(Tensor qkv, bool is_causal) -> (Tensor, Tensor)",
-                                     _packed_attention_forward, lambda qkv, is_causal: _new_packed_outputs(qkv))
+                                     _packed_attention_forward, _packed_attention_forward_fake)
 
 
 def _packed_attention_backward(qkv: Tensor, o: Tensor, do: Tensor, lse: Tensor, is_causal: bool) -> Tensor:
     dqkv = qkv.new_empty(qkv.shape)  # contiguous, so its q, k, v views suit the kernels as they are
     flash_backward(*unpack_heads(_describable_qkv(qkv)), descriptor_ready(o.transpose(1, 2)),
-                   descriptor_ready(do.transpose(1, 2)), lse.contiguous(), is_causal, out=unpack_heads(dqkv))
+                   descriptor_ready(do.transpose(1, 2)), lse.contiguous(), is_causal,
+                   out=(dqkv, *unpack_heads(dqkv)))
     return dqkv
 
 
@@ -183,7 +202,10 @@ def _save_for_backward(ctx, inputs, output):
 def _gradients(ctx, backward, do):
     *inputs, o, lse = ctx.saved_tensors
     grads = backward(*inputs, o, do, lse, ctx.is_causal)
-    return (grads,) if isinstance(grads, torch.Tensor) else grads
+    if len(inputs) == 1:  # packed: qkv's gradient
+        return (grads,)
+    views = gradient_views(grads, *(as_4d(t) for t in inputs))
+    return tuple(view.view(t.shape) for view, t in zip(views, inputs))
 
 
 def _backward_through(backward_op):
