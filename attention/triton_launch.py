@@ -81,12 +81,20 @@ def traced(t):
     return type(t) is not torch.Tensor
 
 
+def hint(value):
+    """The value a traced length or stride has in the example torch.compile traces with: a plain
+    int as it is; a symbol (dynamic shapes) by its hint, which, unlike int(), adds no guard, so
+    the graph stays general. (Lengths that come from input shapes always have a hint.)"""
+    return value.node.hint if isinstance(value, torch.SymInt) else value
+
+
 def real_stand_in(t):
-    """A real tensor, of random values, with a traced tensor's dtype, device, shape, strides and
-    storage offset: what TunedKernel times a traced launch's configs on."""
-    elements = t.storage_offset() + sum((size - 1) * stride for size, stride in zip(t.shape, t.stride())) + 1
-    storage = torch.randn(elements, dtype=t.dtype, device=t.device)
-    return storage.as_strided(t.shape, t.stride(), t.storage_offset())
+    """A real tensor, of random values, with a traced tensor's dtype, device, and the shape,
+    strides and storage offset it has in the traced example: what TunedKernel times a traced
+    launch's configs on."""
+    shape, strides, offset = [hint(n) for n in t.shape], [hint(n) for n in t.stride()], hint(t.storage_offset())
+    elements = offset + sum((size - 1) * stride for size, stride in zip(shape, strides)) + 1
+    return torch.randn(elements, dtype=t.dtype, device=t.device).as_strided(shape, strides, offset)
 
 
 def aligned(t):
@@ -354,17 +362,15 @@ class TunedKernel:
         """The config a recorded launch takes: chosen as an uncompiled launch's is (choose_config),
         on real stand-ins for the traced tensors, so that a compiled model runs the configs an
         uncompiled one would and a first compile tunes once and saves the choice. Traced with
-        dynamic shapes the lengths are symbols, which no timing can stand in for: then the
-        first config that fits the card (choosing by a symbol's value would specialise the graph)."""
-        if len(self.configs) == 1:  # nothing to choose (the backward's delta kernel)
-            return self.configs[0]
-        if any(isinstance(value, torch.SymInt) for value in (*key, *args)):
-            return prune_configs(self.configs, args[0], self.smem_rows)[0]
+        dynamic shapes the choice is made for the lengths of the traced example (hint), and the
+        graph runs it at every length."""
+        key = TuningKey(*(hint(field) for field in key))
         config = self.best.get(key)
         if config is None:
             with _disable_current_modes():  # real tensors, outside the tracer's fake-tensor mode
-                stand_ins = [real_stand_in(a) if isinstance(a, torch.Tensor) else a for a in args]
-                config = self.best[key] = self.choose_config(grid, key, stand_ins, constexprs)
+                stand_ins = [real_stand_in(a) if isinstance(a, torch.Tensor) else hint(a) for a in args]
+                example_grid = lambda meta: tuple(hint(size) for size in grid(meta))
+                config = self.best[key] = self.choose_config(example_grid, key, stand_ins, constexprs)
         return config
 
     def known_config(self, key, q):

@@ -283,7 +283,9 @@ def test_a_traced_launch_is_tuned_on_real_stand_ins_and_recorded(timed_configs, 
     """While torch.compile traces a triton_op, TunedKernel records the launch (wrap_triton)
     instead of making it. A new key is tuned first, as an uncompiled launch would be, on real
     tensors shaped and strided like the traced ones, and the choice is saved; a later trace
-    takes the saved choice untimed. With dynamic shapes nothing is timed."""
+    takes the saved choice untimed. Traced with dynamic shapes, the lengths' hints (the traced
+    example's) stand in for the symbols, so the graph gets the config an uncompiled call at
+    that length takes, and the recorded grid stays symbolic."""
     from torch._subclasses.fake_tensor import FakeTensorMode
     from torch.fx.experimental.symbolic_shapes import ShapeEnv
 
@@ -291,33 +293,40 @@ def test_a_traced_launch_is_tuned_on_real_stand_ins_and_recorded(timed_configs, 
 
     class Recorder:
         def __init__(self, kernel):
-            self.kernel = kernel
+            assert isinstance(kernel, FakeKernel)
 
         def __getitem__(self, grid):
             return lambda *args, **kwargs: recorded.append((grid, kwargs["BLOCK_M"], kwargs["num_warps"]))
     monkeypatch.setattr(torch.library, "wrap_triton", Recorder)
-    monkeypatch.setattr(FakeKernel, "warmup", lambda self, *args, grid, **kwargs: timed_on.append(args[0]))
+    monkeypatch.setattr(FakeKernel, "warmup", lambda self, *args, grid, **kwargs: timed_on.append((args, grid(kwargs))))
+    new_kernel = lambda: TunedKernel(FakeKernel(), TIMING_CONFIGS, lambda config: [(0, 0)])
     grid, key = lambda meta: (128 // meta["BLOCK_M"], 1), TuningKey(128, 128, 16, True, torch.float32)
     x = torch.randn(80, 16)[8:72]  # a view: offset 128, strides (16, 1)
     with FakeTensorMode() as mode:
         fake_x = mode.from_tensor(x)
-    TunedKernel(FakeKernel(), TIMING_CONFIGS, lambda config: [(0, 0)])(grid, key, fake_x, 64)
+    new_kernel()(grid, key, fake_x, 64)
     assert recorded == [((4, 1), 32, 4)] and timed_configs == [16, 32, 128]  # tuned: the fastest is recorded
-    stand_in = timed_on[0]
-    assert type(stand_in) is torch.Tensor and stand_in.std() > 0.5
+    (stand_in, n), _ = timed_on[0]
+    assert type(stand_in) is torch.Tensor and stand_in.std() > 0.5 and n == 64
     assert (stand_in.shape, stand_in.stride(), stand_in.storage_offset()) == ((64, 16), (16, 1), 128)
-    TunedKernel(FakeKernel(), TIMING_CONFIGS, lambda config: [(0, 0)])(grid, key, fake_x, 64)
+    new_kernel()(grid, key, fake_x, 64)
     assert recorded[1] == ((4, 1), 32, 4) and len(timed_configs) == 3  # another process: the saved choice
+
     with FakeTensorMode(shape_env=ShapeEnv(), static_shapes=False) as mode:
         dynamic_x = mode.from_tensor(x)
-    n = dynamic_x.shape[0]  # a symbol: the first fitting config, untimed
-    TunedKernel(FakeKernel(), TIMING_CONFIGS, lambda config: [(0, 0)])(
-        lambda meta: (1, 1), TuningKey(n, n, 16, True, torch.float32), dynamic_x, 64)
-    assert isinstance(n, torch.SymInt) and recorded[2][1] == 16 and len(timed_configs) == 3
-    one_config = triton.Config({"BLOCK_M": 64}, num_warps=2)  # a kernel with one config: no USE_TMA to prune on
-    TunedKernel(FakeKernel(), [one_config], None)(lambda meta: (1, 1), TuningKey(n, n, 16, True, torch.float32),
-                                                  dynamic_x, 64)
-    assert recorded[3] == ((1, 1), 64, 2) and len(timed_configs) == 3
+    rows = dynamic_x.shape[0]  # a symbol, whose hint is 64
+    symbolic_grid = lambda meta: (2 * rows // meta["BLOCK_M"], 1)
+    new_kernel()(symbolic_grid, TuningKey(2 * rows, 2 * rows, 16, True, torch.float32), dynamic_x, rows)
+    assert isinstance(rows, torch.SymInt) and recorded[2][1] == 32 and len(timed_configs) == 3  # the saved choice
+    assert isinstance(recorded[2][0][0], torch.SymInt)
+    new_kernel()(symbolic_grid, TuningKey(rows, rows, 16, True, torch.float32), dynamic_x, rows)  # a new key: tuned
+    assert timed_configs[3:] == [16, 32, 64] and recorded[3][1] == 32
+    (stand_in, n), example_grid = timed_on[-1]
+    assert type(stand_in) is torch.Tensor and stand_in.shape == (64, 16) and n == 64 and example_grid == (2, 1)
+    one_config = triton.Config({"BLOCK_M": 64}, num_warps=2)  # a kernel with one config: nothing to choose
+    TunedKernel(FakeKernel(), [one_config], None)(symbolic_grid, TuningKey(rows, rows, 16, True, torch.float32),
+                                                  dynamic_x, rows)
+    assert recorded[4][1:] == (64, 2) and len(timed_configs) == 6
 
 
 @pytest.mark.parametrize("backend", ["triton", "triton_fwd"])
