@@ -30,10 +30,11 @@ A custom op may not return a view of an input, and its fake outputs must have th
 strides: every output is a new tensor laid out from the inputs' shapes and strides alone
 (new_output_like, new_gradients), the same way by the real and the fake implementation. The
 kernels write whole new tensors, never views of one: compiled, a kernel's write into a view
-costs a copy of its base and a scatter back (docs/optimisation.md, "The compiled route"). The forwards save
-exactly (Q, K, V, O, lse) for backward (the packed one: QKV, O, lse). Leading dims are folded into
-(B, H) views, so any (..., N, D) input works; q, k, v are read through their strides, never
-copied, unless their layout is one TMA cannot describe (see triton_launch.descriptor_ready).
+costs a copy of its base and a scatter back (docs/optimisation.md, "The compiled route").
+The forwards save exactly (Q, K, V, O, lse) for backward (the packed one: QKV, O, lse).
+Leading dims are folded into (B, H) views, so any (..., N, D) input works; q, k, v are read
+through their strides, never copied, unless their layout is one TMA cannot describe (see
+triton_launch.descriptor_ready).
 
 Double backward is not supported: the backward ops' own gradient raises a clear error rather
 than give a wrong number (the saved lse's gradient is not modelled).
