@@ -12,14 +12,15 @@
 #   -> a FlashAttention backend: about 2.5 GiB, whatever block_size is
 #   eager also keeps, per layer, the fp32 scores (for the logsumexp), the fp32 and the bf16
 #   probabilities: 10 bytes x batch_size x n_head x block_size^2 x n_layer
-#     = 15 GiB at block_size 4096 (batch_size 2, 8 layers), plus ~1.9 GiB of one layer's score
-#     gradients in backward
-#   -> eager: about 19 GiB, over a 12 GB card. At block_size 2048 (batch_size 4) it would be
-#      about 10 GiB and fit; hence 4096. `bash .ci/gpu long` checks both on the GPU.
+#     = 30 GiB at block_size 4096 (batch_size 2, 12 heads, 8 layers), plus ~3.8 GiB of one
+#     layer's score gradients in backward
+#   -> eager: about 34 GiB, far over a 12 GB card. At block_size 1024 (batch_size 8) it would
+#      be about 8 GiB and fit, at 2048 (batch_size 4) about 15 GiB and not: 4096 is well past
+#      the edge. `bash .ci/gpu long` checks both on the GPU.
 # Everything else is the default run's (TrainConfig, configs/shakespeare.py).
 out_dir = "out-shakespeare-long"
 block_size = 4096
-# 2 x 4096 = 8,192 tokens per micro-batch and per optimizer step, twice the default run's step:
-# at one sequence eager's scores would be half the estimate above, and eager would fit.
+# 2 x 4096 = 8,192 tokens per micro-batch and per optimizer step, twice the default run's step
+# (at one sequence eager's scores would be half the estimate above, still over 12 GB).
 batch_size = 2
 gradient_accumulation_steps = 1

@@ -23,6 +23,7 @@ from attention.tiled import tiled_forward
 from attention.triton_backward import BACKWARD_CONFIGS, backward_smem_rows, flash_backward
 from attention.triton_forward import FORWARD_CONFIGS, flash_forward, forward_smem_rows
 from attention.triton_launch import TunedKernel, TuningKey, descriptor_ready, prune_configs
+from training.train_config import TrainConfig
 
 import triton  # noqa: E402, I001  (after attention, which decides whether Triton interprets)
 
@@ -594,10 +595,12 @@ def test_gpu_every_tile_config_is_correct(head_dim, is_causal, dtype, heads_firs
 @gpu
 @pytest.mark.parametrize("dtype", [torch.bfloat16, torch.float16])
 def test_gpu_packed_attention_at_the_models_shape(dtype):
-    """The model's call (B=32, N=256, H=6, D=64) twice with new data: the second time the
-    kernels go through TunedKernel's direct launch."""
+    """The default model's call (TrainConfig's batch, context and heads) twice with new data:
+    the second time the kernels go through TunedKernel's direct launch."""
+    default = TrainConfig()
+    shape = (default.batch_size, default.block_size, 3, default.n_head, default.n_embd // default.n_head)
     for seed in (0, 1):
-        qkv = torch.randn(32, 256, 3, 6, 64, generator=torch.Generator().manual_seed(seed))
+        qkv = torch.randn(*shape, generator=torch.Generator().manual_seed(seed))
         check_packed("triton", qkv.to(device="cuda", dtype=dtype).requires_grad_(), True, GPU_TOLERANCE[dtype])
 
 
