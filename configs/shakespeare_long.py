@@ -16,7 +16,7 @@
 #     layer's score gradients in backward
 #   -> eager: about 34 GiB, far over a 12 GB card. At block_size 1024 (batch_size 8) it would
 #      be about 8 GiB and fit, at 2048 (batch_size 4) about 15 GiB and not: 4096 is well past
-#      the edge. `bash .ci/gpu long` checks both on the GPU.
+#      the edge. `bash .ci/gpu long` runs eager and the flash backends here on the GPU.
 # Everything else is the default run's (TrainConfig, configs/shakespeare.py).
 out_dir = "out-shakespeare-long"
 block_size = 4096
