@@ -381,6 +381,12 @@ def plot_profiles(profiles, attn_of, path, setup):
     fig.savefig(path, dpi=120)
 
 
+def tick_label(run):
+    """A run's label under its bar or box, a word a line: the names of six runs ("eager
+    compiled", ...) side by side on one line run into each other."""
+    return run.label.replace(" ", "\n")
+
+
 def plot_comparison(runs, path, setup, reference):
     fig = Figure(figsize=(17, 9), layout="constrained")
     (loss_ax, diff_ax, time_ax), (speed_ax, mfu_ax, memory_ax) = fig.subplots(2, 3)
@@ -405,7 +411,7 @@ def plot_comparison(runs, path, setup, reference):
     title = "loss: train every iteration, val at evaluations"
     if coincide:
         merged = ", ".join(run.label for run in coincide)
-        title += f"\n{merged}: within a pixel of {reference.label}'s curves, drawn as {reference.label}"
+        title += f"\n{merged}:\nwithin a pixel of {reference.label}'s curves, drawn as {reference.label}"
     loss_ax.set(title=title, xlabel="iteration", ylabel="cross-entropy")
     loss_ax.legend(fontsize=7)
 
@@ -426,7 +432,7 @@ def plot_comparison(runs, path, setup, reference):
 
     step_times = [[r["step_ms"] for r in steady_records(run)] for run in trained]
     if any(step_times):
-        time_ax.boxplot(step_times, tick_labels=[run.label for run in trained], whis=(10, 90), showfliers=False)
+        time_ax.boxplot(step_times, tick_labels=[tick_label(run) for run in trained], whis=(10, 90), showfliers=False)
         time_ax.set(title="steady-state step time (box: quartiles, whiskers: p10-p90)", ylabel="ms")
     else:
         no_data(time_ax, "no steady-state steps (max_iters too small)")
@@ -482,7 +488,7 @@ def bar_chart(ax, runs, key, value_of, title, unit, label_format, missing=None):
         elif values[run.label] is not None:
             ax.bar(i, values[run.label], color=COLORS.get(run.config["attn"]))
             ax.text(i, values[run.label], label_format.format(values[run.label]), ha="center", va="bottom", fontsize=8)
-    ax.set(title=title, ylabel=unit, xticks=range(len(runs)), xticklabels=[run.label for run in runs])
+    ax.set(title=title, ylabel=unit, xticks=range(len(runs)), xticklabels=[tick_label(run) for run in runs])
 
 
 def no_data(ax, message):
