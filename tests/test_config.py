@@ -11,7 +11,7 @@ from conftest import REPO, run_script
 from sample import SampleConfig
 from training.configurator import ConfigError, choice, config_files, field_meanings, parse_config
 from training.exit_codes import EXIT_BAD_CONFIG
-from training.train_config import TrainConfig
+from training.train_config import TrainConfig, check_config
 
 
 @dataclass
@@ -121,6 +121,13 @@ def test_train_rejects_a_head_dim_the_triton_kernels_cannot_take(attn, tmp_path)
             "(16, 32, 64, 128)") in result.stderr
     assert "Traceback" not in result.stderr
     assert not (tmp_path / "out").exists()
+
+
+@pytest.mark.parametrize("attn", BACKENDS)
+def test_the_default_run_passes_every_check_with_every_backend(attn):
+    """train.py's defaults are the GPU run of the README: a change to them (its head dim, say)
+    must not leave a backend that refuses them."""
+    check_config(TrainConfig(attn=attn))
 
 
 @pytest.mark.parametrize("seed", [-5, 2**32])
