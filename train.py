@@ -25,6 +25,7 @@ Exit status:
                number, the shell's convention for "ended by a signal")
 """
 import contextlib
+import functools
 import math
 import os
 import random
@@ -35,6 +36,7 @@ import threading
 import time
 from dataclasses import asdict, dataclass, replace
 from pathlib import Path
+from typing import Callable
 
 import numpy as np
 import torch
@@ -53,6 +55,7 @@ from training.exit_codes import EXIT_BAD_CONFIG, EXIT_ERROR, EXIT_OUT_OF_MEMORY,
 from training.metrics import METRICS_NAME, append_metrics, reset_metrics, write_run_config
 from training.profiling import (OPTIMIZER_RANGE, PROFILE_NAME, PROFILE_STEPS, attention_saved_mb, remove_profile,
                                 step_profiler, write_profile)
+from training.step_graph import StepGraph
 from training.train_config import TrainConfig, check_config
 
 
@@ -95,6 +98,9 @@ class Training:
     optimizer: torch.optim.Optimizer
     scaler: torch.amp.GradScaler
     wandb_run: object  # the wandb run rank 0 logs to, or None
+    # batches -> their summed loss, gradients in .grad: forward_backward, or its CUDA graph
+    # (cuda_graph=True); set once the Training exists, which forward_backward reads
+    forward_backward: Callable | None = None
 
 
 def learning_rate_at(it, config):
@@ -155,6 +161,8 @@ def check_out_dir(config):
 def start_device(config, world):
     """This process's device, its dtype and the autocast context for the forward pass."""
     device = world.start(pick_device(config.device))
+    if config.cuda_graph and device.type != "cuda":
+        raise DeviceError(f"cuda_graph=True needs a CUDA device; this run is on {device.type} (use cuda_graph=False)")
     dtype = pick_dtype(config.dtype, device)
     amp = autocast(device, dtype)
     if config.max_memory_gb:
@@ -345,47 +353,57 @@ def batch_loss(model, x, y, config, amp):
     return loss.item()
 
 
-def train_step(training):
-    """One optimizer step; returns the mean loss over the micro-batches of every process.
+def forward_backward(training, batches):
+    """Every micro-batch's forward and backward pass: leaves the step's gradients in the
+    parameters' .grad (summed over the micro-batches, and averaged over the processes by DDP)
+    and returns the sum of the micro-batches' losses as a tensor, unread. With cuda_graph=True
+    this is what the CUDA graph holds (training/step_graph.py).
 
-    Each process runs gradient_accumulation_steps / world.size micro-batches. DDP averages
-    the gradients across processes during the backward pass; only the last micro-batch's
-    backward does so, the ones before run under no_sync and add to the local gradients, so
-    a step costs one all-reduce rather than one per micro-batch.
-
-    The loss is read on the host once per step (a device sync), so a NaN or inf is caught
-    at the iteration it appears, before the optimizer applies it; a non-finite loss is
-    returned without stepping. It is averaged over the processes first, so all of them see
-    the same number and skip or stop together. Batches are drawn inside the step, not
-    prefetched across steps, so the sampler's state at a step boundary is exactly what a
-    checkpoint stores.
+    DDP averages the gradients across processes during the backward pass; only the last
+    micro-batch's backward does so, the ones before run under no_sync and add to the local
+    gradients, so a step costs one all-reduce rather than one per micro-batch.
     """
-    config, world = training.config, training.world
-    model, optimizer, scaler = training.train_model, training.optimizer, training.scaler
-    micro_steps = config.gradient_accumulation_steps // world.size
+    config, world, model = training.config, training.world, training.train_model
+    # Zeroed in place rather than set to None: a CUDA graph writes the gradients where the
+    # previous step left them.
+    training.optimizer.zero_grad(set_to_none=False)
     loss_sum = torch.zeros((), device=training.device)
-    for micro_step in range(micro_steps):
-        x, y = training.batches.get("train", training.sampler)
-        accumulate_only = world.distributed and micro_step < micro_steps - 1
+    for micro_step, (x, y) in enumerate(batches):
+        accumulate_only = world.distributed and micro_step < len(batches) - 1
         if config.compile:
             # Under CUDA graphs (compile_mode reduce-overhead, max-autotune) each replay reuses the
             # memory of the previous one's outputs: this says the previous micro-batch is done with
-            # them (its loss was read, its backward ran), so the replay may overwrite them.
+            # them (its loss was added up, its backward ran), so the replay may overwrite them.
             torch.compiler.cudagraph_mark_step_begin()
         with model.no_sync() if accumulate_only else contextlib.nullcontext():
             with training.amp:
                 _, loss = model(x, y)
             loss_sum += loss.detach()
-            scaler.scale(loss / micro_steps).backward()
-    mean_loss = world.mean_(loss_sum).item() / micro_steps
+            training.scaler.scale(loss / len(batches)).backward()
+    return loss_sum
+
+
+def train_step(training):
+    """One optimizer step; returns the mean loss over the micro-batches of every process.
+
+    Each process runs gradient_accumulation_steps / world.size micro-batches. The loss is read
+    on the host once per step (a device sync), so a NaN or inf is caught at the iteration it
+    appears, before the optimizer applies it; a non-finite loss is returned without stepping.
+    It is averaged over the processes first, so all of them see the same number and skip or
+    stop together. Batches are drawn inside the step, not prefetched across steps, so the
+    sampler's state at a step boundary is exactly what a checkpoint stores.
+    """
+    config, world, optimizer, scaler = training.config, training.world, training.optimizer, training.scaler
+    micro_steps = config.gradient_accumulation_steps // world.size
+    batches = [training.batches.get("train", training.sampler) for _ in range(micro_steps)]
+    mean_loss = world.mean_(training.forward_backward(batches)).item() / micro_steps
     with labelled(OPTIMIZER_RANGE):
         if math.isfinite(mean_loss):
             if config.grad_clip > 0:
                 scaler.unscale_(optimizer)
-                torch.nn.utils.clip_grad_norm_(model.parameters(), config.grad_clip)
+                torch.nn.utils.clip_grad_norm_(training.train_model.parameters(), config.grad_clip)
             scaler.step(optimizer)
             scaler.update()
-        optimizer.zero_grad(set_to_none=True)
     return mean_loss
 
 
@@ -547,6 +565,9 @@ def run(config, world):
     training = Training(config=config, world=world, device=device, amp=amp, batches=batches, sampler=sampler,
                         model_args=model_args, raw_model=raw_model, model=model, train_model=train_model,
                         optimizer=optimizer, scaler=scaler, wandb_run=wandb_run)
+    training.forward_backward = functools.partial(forward_backward, training)
+    if config.cuda_graph:
+        training.forward_backward = StepGraph(training.forward_backward)
 
     # Profiles the steady steps right after the timing warm-up, then lets training go on; those
     # few steps' logged times include the profiler's overhead.

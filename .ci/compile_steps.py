@@ -1,13 +1,15 @@
 """Training-step time of the default model, uncompiled and compiled, per backend: `.ci/gpu compile`.
 
-    python .ci/compile_steps.py --block_size=1024 [--backends=eager,sdpa,triton] [--modes=none,default,reduce-overhead]
-                                [--tokens=4096] [--rounds=6]
+    python .ci/compile_steps.py --block_size=1024 [--backends=eager,sdpa,triton] [--tokens=4096] [--rounds=6]
+                                [--modes=none,default,reduce-overhead,none+graph,default+graph]
 
 One process per block size. The model is train.py's default (TrainConfig) over the dense
 TinyShakespeare vocabulary; batch = --tokens (by default the default's tokens per micro-batch)
 / block_size sequences, at least one, so every micro-batch holds the same tokens whatever the
 context (up to --tokens); the default's micro-batches a step, bf16 autocast, fused AdamW, CUDA
-memory capped at 12 GiB (the target card). Random tokens: no data needed.
+memory capped at 12 GiB (the target card). Random tokens: no data needed. A mode is "none"
+(uncompiled) or a torch.compile mode; "+graph" captures the forward and backward passes in one
+CUDA graph as train.py --cuda_graph=True does (training/step_graph.py).
 
 Per mode, every backend's model is built and warmed up (5 steps, which compile), then the
 backends take turns: --rounds rounds of 5 synchronised steps each, the order reversed every other
@@ -29,6 +31,7 @@ import torch  # noqa: E402
 
 from data.shakespeare.prepare import SHAKESPEARE_VOCAB_SIZE as VOCAB_SIZE  # noqa: E402
 from model import GPT, compile_model  # noqa: E402
+from training.step_graph import StepGraph  # noqa: E402
 from training.train_config import TrainConfig  # noqa: E402
 
 DEFAULT = TrainConfig()
@@ -36,16 +39,25 @@ TOKENS_PER_MICRO_BATCH = DEFAULT.batch_size * DEFAULT.block_size
 ACCUMULATION = DEFAULT.gradient_accumulation_steps
 
 
-def make_step(model, optimizer, batches, compiled):
-    def step():
+def make_step(model, optimizer, batches, compiled, graphed):
+    """train.py's step without its clipping and loss read: forward_backward (as one CUDA graph
+    with graphed, training/step_graph.py), then the optimizer."""
+    def forward_backward(batches):
+        optimizer.zero_grad(set_to_none=False)
+        loss_sum = torch.zeros((), device="cuda")
         for x, y in batches:
             if compiled:
                 torch.compiler.cudagraph_mark_step_begin()
             with torch.autocast("cuda", dtype=torch.bfloat16):
                 _, loss = model(x, y)
+            loss_sum += loss.detach()
             (loss / ACCUMULATION).backward()
+        return loss_sum
+    run = StepGraph(forward_backward) if graphed else forward_backward
+
+    def step():
+        run(batches)
         optimizer.step()
-        optimizer.zero_grad(set_to_none=True)
     return step
 
 
@@ -59,15 +71,17 @@ def gpu_ms_per_step(step, steps=5):
 
 
 def build(backend, mode, block_size, tokens):
-    """The step function of one backend's model, warmed up; and the warm-up's seconds."""
+    """The step function of one backend's model, warmed up; and the warm-up's seconds. mode:
+    "none" (uncompiled) or a torch.compile mode, "+graph" for train.py's --cuda_graph=True."""
     torch.manual_seed(0)
     batch = max(1, tokens // block_size)
     model = GPT(replace(DEFAULT.model_config(VOCAB_SIZE), block_size=block_size, dropout=0.0, attn=backend)).cuda()
     optimizer = model.configure_optimizers(0.1, 1e-4, (0.9, 0.99), "cuda")
-    compiled = mode != "none"
-    run = compile_model(model, mode) if compiled else model
+    compile_mode, graphed = mode.removesuffix("+graph"), mode.endswith("+graph")
+    compiled = compile_mode != "none"
+    run = compile_model(model, compile_mode) if compiled else model
     tokens = [torch.randint(0, VOCAB_SIZE, (batch, block_size), device="cuda") for _ in range(ACCUMULATION)]
-    step = make_step(run, optimizer, [(x, x.roll(-1, dims=1)) for x in tokens], compiled)
+    step = make_step(run, optimizer, [(x, x.roll(-1, dims=1)) for x in tokens], compiled, graphed)
     start = time.perf_counter()
     for _ in range(5):
         step()
@@ -113,14 +127,14 @@ def main():
     parser = argparse.ArgumentParser()
     parser.add_argument("--block_size", type=int, required=True)
     parser.add_argument("--backends", default="eager,sdpa,triton")
-    parser.add_argument("--modes", default="none,default,reduce-overhead")
+    parser.add_argument("--modes", default="none,default,reduce-overhead,none+graph,default+graph")
     parser.add_argument("--tokens", type=int, default=TOKENS_PER_MICRO_BATCH, help="tokens per micro-batch")
     parser.add_argument("--rounds", type=int, default=6, help="rounds of 5 steps per backend, taken in turn")
     args = parser.parse_args()
     torch.cuda.set_per_process_memory_fraction(min(1.0, 12 * 2**30 / torch.cuda.get_device_properties(0).total_memory))
     print(f"block_size {args.block_size}, batch {max(1, args.tokens // args.block_size)} x {ACCUMULATION} "
           f"micro-batches, bf16, {torch.cuda.get_device_name()}")
-    print(f"{'backend':<10} {'compile':<16} {'wall ms/step':>12} {'round medians':>16} {'GPU ms/step':>12} "
+    print(f"{'backend':<10} {'mode':<16} {'wall ms/step':>12} {'round medians':>16} {'GPU ms/step':>12} "
           f"{'warm-up s':>10}")
     backends = args.backends.split(",")
     for mode in args.modes.split(","):

@@ -121,3 +121,28 @@ def test_gpu_a_new_shape_inside_a_cuda_graph_capture_is_not_timed(tmp_path, monk
     graph.replay()
     torch.cuda.synchronize()
     torch.testing.assert_close(o, attention(q, k, v, True, "sdpa"), rtol=0, atol=GPU_TOLERANCE[torch.float16])
+
+
+@pytest.mark.parametrize("attn, extra", [
+    *[(attn, []) for attn in ("eager", "sdpa", "triton", "triton_fwd", "tiled")],
+    ("triton", ["--compile=True"]),
+    ("sdpa", ["--dtype=float16"]),  # the gradient scaler's scale, read by the graph, changes between replays
+    ("sdpa", ["--dropout=0.2"]),  # each replay draws new dropout masks, as the plain run does
+])
+def test_gpu_cuda_graph_trains_like_the_plain_run(attn, extra, tiny_args, tmp_path):
+    """train.py --cuda_graph=True with accumulation and evaluation: step 1 runs uncaptured, step
+    2 is captured and replayed, the rest replay; every step's loss is the plain run's."""
+    args = [*tiny_args, "--device=cuda", "--dtype=float32", f"--attn={attn}", "--gradient_accumulation_steps=2",
+            "--max_iters=6", "--eval_interval=3", "--log_interval=1", *extra]
+    losses, val_losses = [], []
+    for name, graph in (("plain", []), ("graph", ["--cuda_graph=True"])):
+        result = run_script("train.py", *args, f"--out_dir={tmp_path / name}", *graph, timeout=600)
+        assert result.returncode == 0, result.stderr[-3000:]
+        records = read_metrics(tmp_path / name)
+        losses.append(step_losses(records))
+        val_losses.append({r["iter"]: r["val_loss"] for r in records if "val_loss" in r})
+    assert losses[1].keys() == set(range(1, 7)) and val_losses[1].keys() == {0, 3, 6}
+    for it in range(1, 7):
+        assert losses[1][it] == pytest.approx(losses[0][it], rel=2e-3), it
+    for it in (3, 6):  # evaluated between replays, on the weights the replays trained
+        assert val_losses[1][it] == pytest.approx(val_losses[0][it], rel=2e-3), it

@@ -10,7 +10,7 @@ from attention import BACKENDS
 from conftest import REPO, run_script
 from sample import SampleConfig
 from training.configurator import ConfigError, choice, config_files, field_meanings, parse_config
-from training.exit_codes import EXIT_BAD_CONFIG
+from training.exit_codes import EXIT_BAD_CONFIG, EXIT_ERROR
 from training.train_config import TrainConfig, check_config
 
 
@@ -128,6 +128,30 @@ def test_the_default_run_passes_every_check_with_every_backend(attn):
     """train.py's defaults are the GPU run of the README: a change to them (its head dim, say)
     must not leave a backend that refuses them."""
     check_config(TrainConfig(attn=attn))
+
+
+@pytest.mark.parametrize("settings, world_size, message", [
+    (dict(compile=True, compile_mode="reduce-overhead"), 1, "compile_mode='reduce-overhead', which captures CUDA graphs"),
+    (dict(compile=True, compile_mode="max-autotune"), 1, "compile_mode='max-autotune', which captures CUDA graphs"),
+    (dict(gradient_accumulation_steps=2), 2, "under torchrun with 2 processes"),
+    (dict(profile=True), 1, "with profile=True"),
+])
+def test_cuda_graph_refuses_what_it_cannot_capture(settings, world_size, message):
+    check_config(TrainConfig(**settings), world_size=world_size)  # fine without the graph
+    with pytest.raises(ConfigError, match=r"cuda_graph=True: expected False .*" + re.escape(message)):
+        check_config(TrainConfig(cuda_graph=True, **settings), world_size=world_size)
+
+
+def test_cuda_graph_takes_the_compile_modes_without_graphs_of_their_own():
+    for mode in ("default", "max-autotune-no-cudagraphs"):
+        check_config(TrainConfig(cuda_graph=True, compile=True, compile_mode=mode))
+
+
+def test_train_refuses_a_cuda_graph_on_the_cpu(tmp_path):
+    result = run_script("train.py", "configs/tiny.py", "--cuda_graph=True", f"--out_dir={tmp_path / 'out'}")
+    assert result.returncode == EXIT_ERROR
+    assert "cuda_graph=True needs a CUDA device; this run is on cpu" in result.stderr
+    assert "Traceback" not in result.stderr
 
 
 @pytest.mark.parametrize("seed", [-5, 2**32])

@@ -10,7 +10,7 @@ Every GPU kernel (on the CPU: every op's own CPU time) goes to one category:
   attention backward   launched by an autograd node that a forward op in that range made
                        (autograd tags both with the same sequence number)
   output layer + loss  the same, for the "output layer + loss" range (lm_head, cross-entropy)
-  optimizer            train.py's "optimizer" range: gradient clipping, AdamW, zero_grad
+  optimizer            train.py's "optimizer" range: gradient clipping and AdamW
   matmuls              any other matmul (aten::mm, addmm, bmm, ...): the transformer's layers
   everything else      layer norms, GELU, dropout, residual adds, embeddings, copies
   idle                 the step's wall time the device spent idle: waiting for the host to

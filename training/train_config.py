@@ -13,6 +13,7 @@ from training.configurator import ConfigError, choice
 TRITON_BACKENDS = ("triton", "triton_fwd")
 MAX_SEED = 2**32 - 1  # numpy.random.seed takes [0, 2**32 - 1]
 COMPILE_MODES = ("default", "reduce-overhead", "max-autotune", "max-autotune-no-cudagraphs")
+CUDA_GRAPH_COMPILE_MODES = ("reduce-overhead", "max-autotune")  # the modes that capture CUDA graphs themselves
 
 
 @dataclass
@@ -78,6 +79,9 @@ class TrainConfig:
     dtype: str = choice("auto", ("auto", "float32", "bfloat16", "float16"))  # auto: bf16 autocast on GPUs that have it, else fp16; fp32 on the CPU
     compile: bool = False  # torch.compile the model
     compile_mode: str = choice("default", COMPILE_MODES)  # torch.compile's mode; reduce-overhead, max-autotune: CUDA graphs (none on the CPU)
+    # Off by default, like nanoGPT's loop: a graph costs a capture and memory held for it, and
+    # pays off where the host, not the GPU, sets the step time (training/step_graph.py says why).
+    cuda_graph: bool = False  # capture each step's forward and backward passes in one CUDA graph and replay it (CUDA only)
     profile: bool = False  # profile a few steady steps with torch.profiler into out_dir/profile.json (profiling.py)
     max_memory_gb: float = 0.0  # cap torch's CUDA memory at this many GiB, e.g. 12 to act as a 12 GB card; 0: no cap
     seed: int = 1337  # seeds the weights, dropout and batches (process rank uses seed + rank)
@@ -117,6 +121,14 @@ def check_config(config, world_size=1):
         ("beta2", 0.0 <= config.beta2 < 1.0, "in [0, 1)"),
         ("grad_clip", 0.0 <= config.grad_clip < math.inf, "a finite float >= 0 (0: no clipping)"),
         ("max_memory_gb", 0.0 <= config.max_memory_gb < math.inf, "a finite float >= 0 (0: no cap)"),
+        ("cuda_graph", not (config.cuda_graph and config.compile and config.compile_mode in CUDA_GRAPH_COMPILE_MODES),
+         f"False with compile_mode={config.compile_mode!r}, which captures CUDA graphs of its own "
+         "(use compile_mode=default or max-autotune-no-cudagraphs)"),
+        ("cuda_graph", not (config.cuda_graph and world_size > 1),
+         f"False under torchrun with {world_size} processes (DDP's all-reduce is not captured here)"),
+        ("cuda_graph", not (config.cuda_graph and config.profile),
+         "False with profile=True (the profile sorts kernels by the ranges the host marks as it launches "
+         "them, and a graph replay launches them all at once)"),
         # Process r seeds numpy with seed + r, so the largest rank must stay in range too.
         ("seed", 0 <= config.seed <= MAX_SEED - (world_size - 1),
          f"an int in [0, {MAX_SEED - (world_size - 1)}] (numpy's seed range; process r of {world_size} uses seed + r)"),
