@@ -1,6 +1,7 @@
 """Train a GPT on TinyShakespeare with the attention backend of your choice.
 
     python train.py --attn=sdpa                              # the defaults: the GPU run
+    python train.py --attn=triton --cuda_graph=True          # each step replayed from one CUDA graph
     python train.py configs/tiny.py --max_iters=100          # a small model on the CPU
     python train.py configs/tiny.py --init_from=resume       # continue from out_dir/ckpt.pt
     torchrun --standalone --nproc_per_node=2 train.py --attn=triton   # data-parallel, 2 GPUs
@@ -597,8 +598,8 @@ def run(config, world):
             for group in optimizer.param_groups:
                 group["lr"] = lr
             # The whole optimizer step, from the first batch to the weight update, between two
-            # device synchronisations, so on a GPU it is the GPU's time; logging, evaluation
-            # and checkpoints fall outside.
+            # device synchronisations, so on a GPU it ends when the GPU has finished the step's
+            # work, not when the host has issued it; logging, evaluation and checkpoints fall outside.
             synchronize(device)
             start = time.perf_counter()
             loss = train_step(training)

@@ -1,9 +1,9 @@
 """A training step's forward and backward passes as one CUDA graph: train.py --cuda_graph=True.
 
-Why: the default model's step is a couple of thousand small kernels (8 layers, two micro-batches,
-forward and backward), and PyTorch issues each one from Python. On a slow or busy host that
-takes longer than the GPU takes to run them, so the wall clock measures the host and hides
-what the attention backend saves (docs/benchmarks.md). A CUDA graph records the kernels once;
+Why: each micro-batch of the default model is several hundred small kernels (8 layers, forward
+and backward), and PyTorch issues each one from Python. On a slow or busy host that takes
+longer than the GPU takes to run them, so the wall clock measures the host and hides what the
+attention backend saves (docs/benchmarks.md, session 14). A CUDA graph records the kernels once;
 every later step launches them all with one call, and the GPU sets the pace.
 
 The graph holds: zeroing the gradients, then every micro-batch's forward and backward pass,
