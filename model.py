@@ -88,13 +88,15 @@ def sample_next_token(logits, vocab_size, temperature=1.0, top_k=None):
     value (no bool-mask indexing, no check of its input), so a CUDA graph can capture it: an exponential
     race, argmax(p / E) with E ~ Exp(1) drawn per token, picks token i with probability p_i (the
     Gumbel-max trick, as gpt-fast samples). E is kept above 0, so that p / E is finite and a
-    token of probability 0 can never win; top_k=1 therefore draws the argmax exactly."""
+    token of probability 0 can never win. top_k=1 (greedy) is the argmax, taken directly: the
+    race would only break exact ties at random, with twelve more kernels a token in the decode
+    step's graph; argmax takes the first."""
+    if top_k == 1:
+        return torch.argmax(logits[:, :vocab_size], dim=-1, keepdim=True)
     logits = logits[:, :vocab_size].float() / temperature
     if top_k is not None:
-        # The k-th largest logit (a slice: a list index would copy from the host). For k = 1 it is
-        # the max, which a reduction finds several times faster than topk's selection.
-        k = min(top_k, vocab_size)
-        kth = logits.amax(dim=-1, keepdim=True) if k == 1 else torch.topk(logits, k).values[:, -1:]
+        # The k-th largest logit (a slice: a list index would copy from the host).
+        kth = torch.topk(logits, min(top_k, vocab_size)).values[:, -1:]
         logits = logits.masked_fill(logits < kth, float("-inf"))
     probs = F.softmax(logits, dim=-1)
     race = torch.empty_like(probs).exponential_(1).clamp_min_(torch.finfo(probs.dtype).tiny)
@@ -345,8 +347,15 @@ class GPT(nn.Module):
         graphs cannot be recorded inside another); dynamic=False, so that a new batch size
         compiles its own static graph rather than a dynamic one. Sampling (the decoder's, in its
         CUDA graph) stays out of the compiled graph: Inductor draws random numbers its own way, and
-        uncompiled, one seed draws the same tokens whether the step is compiled or not."""
-        self.decode_step = torch.compile(self.decode_step, backend=backend, fullgraph=True, dynamic=False)
+        uncompiled, one seed draws the same tokens whether the step is compiled or not.
+        With Inductor, coordinate descent tuning is on, as gpt-fast decodes: besides tuning each
+        generated kernel's block sizes, it has Inductor write a matmul of one row (batch-1
+        decoding) as a reduction, which it fuses with the layer norm before it and the GELU or
+        residual add after it, where cuBLAS would run each matmul as a kernel of its own
+        (docs/benchmarks.md, session 15, measures both)."""
+        options = {"coordinate_descent_tuning": True} if backend == "inductor" else None
+        self.decode_step = torch.compile(self.decode_step, backend=backend, fullgraph=True, dynamic=False,
+                                         options=options)
         self.generate_decoder = None  # its graph recorded the uncompiled step
 
     def configure_optimizers(self, weight_decay, learning_rate, betas, device_type):
