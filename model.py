@@ -3,19 +3,19 @@
 Pre-LayerNorm transformer blocks, a GELU MLP, learned position embeddings and an output
 layer tied to the token embedding, initialised as GPT-2 was. The only departure from a
 textbook GPT is that CausalSelfAttention hands its fused q, k, v projection to
-`attention.packed_attention` (q, k and v to `attention.attention` when it keeps a KV cache), so
-the same model trains with the eager reference, PyTorch's sdpa, or this repo's own kernels.
+`attention.packed_attention` (to `attention.decode_attention` for a decoding step), so the same
+model trains and generates with the eager reference, PyTorch's sdpa, or this repo's own kernels.
 
 Generation can keep a KVCache: every layer's keys and values of the tokens fed so far, so
 each step feeds only the newest token. The prompt goes in first as a normal call (a prefill:
 queries and keys are the same tokens, top-left causal, is_causal=True). After it, each step is
-GPT.decode_step: the new token's key and value are written into the static cache at its
-position, and its query sees cached keys [0, position] through attention.decode_attention,
-with that count as a device tensor. generate runs the step through a StaticDecoder: the token,
-its position and the tokens drawn live in static device buffers that the step itself updates,
-sampling included (sample_next_token), so the step has the same inputs at every token; on CUDA
-it is captured once as a CUDA graph and a token is one replay, and compiling it
-(sample.py --compile=True) adds Inductor's fusion inside that graph.
+GPT.decode_step: attention.decode_attention writes the new token's key and value into the
+static cache at its position, a device tensor, and its query sees cached keys [0, position].
+generate runs the step through a StaticDecoder: the token, its position and the tokens drawn
+live in static device buffers that the step itself updates, sampling included
+(sample_next_token), so the step has the same inputs at every token; on CUDA it is captured
+once as a CUDA graph and a token is one replay, and compiling it (sample.py --compile=True) adds
+Inductor's fusion inside that graph.
 """
 import contextlib
 import inspect
@@ -26,7 +26,7 @@ import torch
 import torch.nn as nn
 import torch.nn.functional as F
 
-from attention import BACKENDS, attention, decode_attention, packed_attention
+from attention import BACKENDS, decode_attention, packed_attention, unpack_heads
 
 # torch.profiler ranges that training/profiling.py sorts a step's time by.
 ATTENTION_RANGE = "attention"
@@ -198,28 +198,23 @@ class CausalSelfAttention(nn.Module):
         B, T, C = x.shape
         head_dim = C // self.n_head
         qkv = self.c_attn(x).view(B, T, 3, self.n_head, head_dim)
-        if kv_cache is None:
-            # Training: the fused projection goes to attention whole (q, k, v = qkv.unbind(2)),
-            # which spares the triton backend six autograd nodes a layer (attention/__init__.py).
+        if kv_cache is not None and T == 1:
+            # One new token (a decode step, or a one-token prompt): decode_attention stores its
+            # key and value at pos and lets its query see the cached keys up to its own, all in
+            # its past, so nothing else is masked.
+            y = decode_attention(qkv, *kv_cache, pos, backend=self.attn_backend)
+        else:
+            if kv_cache is not None:
+                # A prefill into an empty cache: store the prompt's keys and values, then attend
+                # as training does, over the same T tokens, top-left causal, so its logits are
+                # exactly those of the same tokens fed without a cache.
+                _, k, v = unpack_heads(qkv)
+                kv_cache[0].index_copy_(2, pos, k)
+                kv_cache[1].index_copy_(2, pos, v)
+            # The fused projection goes to attention whole (q, k, v = qkv.unbind(2)), which spares
+            # the triton backend six autograd nodes a layer (attention/__init__.py).
             with labelled(ATTENTION_RANGE):
                 y = packed_attention(qkv, is_causal=True, backend=self.attn_backend)
-        else:
-            # q, k, v are strided (B, H, T, D) views into the fused projection, not copies: the
-            # backends are expected to cope with that layout (last dim contiguous).
-            q, k, v = (t.transpose(1, 2) for t in qkv.unbind(dim=2))
-            k_cache, v_cache = kv_cache
-            k_cache.index_copy_(2, pos, k)
-            v_cache.index_copy_(2, pos, v)
-            if T == 1:
-                # One new token (a decode step, or a one-token prompt): its query sees the cached
-                # keys up to its own, all in its past, so nothing else is masked.
-                y = decode_attention(q, k_cache, v_cache, pos[0] + 1, backend=self.attn_backend)
-            else:
-                # A prefill into an empty cache: queries and keys are the same T tokens,
-                # top-left causal. It attends over its own k, v rather than the cache's copies,
-                # so its logits are exactly those of the same tokens fed without a cache.
-                y = attention(q, k, v, is_causal=True, backend=self.attn_backend)
-            y = y.transpose(1, 2)
         y = y.reshape(B, T, C)  # (B, T, H, D) -> (B, T, H * D): free when y is contiguous
         return self.resid_dropout(self.c_proj(y))
 

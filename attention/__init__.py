@@ -35,7 +35,7 @@ The files, in reading order:
   triton_ops.py          the kernels as torch.library custom operators, with their autograd
   triton_launch.py       the host side of a launch: layouts, device checks, config tuning
   recompute_backward.py  triton_fwd's backward, the step before the FlashAttention-2 backward
-  decode.py              decode_attention: one new query against a KV cache, every backend
+  decode.py              decode_attention: one new token's step against a KV cache, every backend
   triton_decode.py       its Triton kernel
   inputs.py, sdpa.py     the input checks and unpack_heads; torch's own attention
 
@@ -62,8 +62,8 @@ from .sdpa import sdpa_attention  # noqa: E402
 from .tiled import FlashAttentionPytorch  # noqa: E402
 from .triton_ops import triton_attention, triton_fwd_attention, triton_packed_attention  # noqa: E402
 
-__all__ = ["BACKENDS", "attention", "packed_attention", "eager_attention", "eager_attention_with_lse", "sdpa_attention",
-           "FlashAttentionPytorch", "triton_attention", "triton_fwd_attention", "triton_packed_attention"]
+__all__ = ["BACKENDS", "attention", "packed_attention", "unpack_heads", "eager_attention", "eager_attention_with_lse",
+           "sdpa_attention", "FlashAttentionPytorch", "triton_attention", "triton_fwd_attention", "triton_packed_attention"]
 
 BACKENDS = ("eager", "tiled", "triton", "triton_fwd", "sdpa")
 
@@ -95,7 +95,7 @@ def packed_attention(qkv, is_causal=False, backend="triton"):
     return _BACKEND_FUNCTIONS[backend](*unpack_heads(qkv), is_causal).transpose(1, 2)
 
 
-# Decoding: one new query per sequence against a static KV cache, every backend (decode.py).
+# Decoding: one new token per sequence against a static KV cache, every backend (decode.py).
 from .decode import decode_attention  # noqa: E402
 
 __all__ += ["decode_attention"]

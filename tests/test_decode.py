@@ -1,13 +1,12 @@
-"""decode_attention: one new query per sequence against a static KV cache, every backend
-against float64 eager, with n_keys a device tensor; sample_next_token, the one sampling function
-of every decoding path; a compiled decode step that draws exactly the tokens of the uncompiled
+"""decode_attention: one new token per sequence, stored into a static KV cache and attending over
+it, every backend against float64, with its position a device tensor; sample_next_token, the
+one sampling function of every decoding path; a compiled decode step that draws exactly the tokens of the uncompiled
 one, and writes the cache in place; generation with the weights cast to bf16 once (no cast per
 token, the same tokens compiled or not, the cached logits those of the whole context)."""
 import pytest
 import torch
 
 from attention import BACKENDS, decode_attention
-from attention.decode import eager_decode_attention
 from model import GPT, GPTConfig, sample_next_token
 from test_kv_cache import context_sensitive_gpt, prompt
 from torch._dynamo.testing import CompileCounter  # imports triton: after attention, which picks the interpreter
@@ -18,76 +17,92 @@ TOLERANCE = {torch.float32: 1e-5, torch.float16: 2e-3, torch.bfloat16: 2e-2}
 
 
 def cache_inputs(B, H, S, D, dtype, device="cpu", seed=0):
-    """q as the model makes it, a strided (B, H, 1, D) view of a fused projection; the caches
-    (B, H, S, D) with random values everywhere, also past the keys a query may see, so that a
-    backend reading past n_keys gets a wrong answer."""
+    """qkv, the new token's fused projection (B, 1, 3, H, D), as the model makes it; the caches
+    (B, H, S, D) with random values everywhere, also at and past the new token's position, so
+    that a backend which reads past it, or fails to store the token, gets a wrong answer."""
     g = torch.Generator().manual_seed(seed)
     qkv = torch.randn(B, 1, 3, H, D, generator=g).to(device, dtype)
-    q = qkv[:, :, 0].transpose(1, 2)
     k_cache, v_cache = (torch.randn(B, H, S, D, generator=g).to(device, dtype) for _ in range(2))
-    return q, k_cache, v_cache
+    return qkv, k_cache, v_cache
 
 
-def expected(q, k_cache, v_cache, n_keys):
-    """float64 eager on the visible keys alone, sliced on the host: no mask involved."""
-    rows = [torch.softmax(q[b].double() @ k_cache[b, :, :n].double().transpose(-2, -1) / q.shape[-1] ** 0.5, dim=-1)
-            @ v_cache[b, :, :n].double() for b, n in enumerate(n_keys.expand(q.shape[0]).tolist())]
-    return torch.stack(rows)
+def expected(qkv, k_cache, v_cache, pos):
+    """float64 on the host: the caches as they should be after the step (the new token's key and
+    value at row pos, every other row as it was), and the output (B, 1, H, D), the softmax over
+    the keys [0, pos] alone, sliced: no mask involved."""
+    q, k, v = (t.double() for t in qkv[:, 0].unbind(1))  # (B, H, D) each
+    k_after, v_after = k_cache.double().clone(), v_cache.double().clone()
+    k_after[:, :, pos], v_after[:, :, pos] = k, v
+    seen_k, seen_v = k_after[:, :, :pos + 1], v_after[:, :, :pos + 1]
+    weights = torch.softmax(torch.einsum("bhd,bhnd->bhn", q, seen_k) / q.shape[-1] ** 0.5, dim=-1)
+    return torch.einsum("bhn,bhnd->bhd", weights, seen_v)[:, None], k_after, v_after
 
 
-# (B, H, S, D, n_keys): odd cache lengths, a count per sequence or one for all, the first key
-# alone, a full cache, and counts that end inside a 64-key tile and exactly at its end.
+# (B, H, S, D, pos): odd cache lengths; the first position (the token sees only itself), the
+# last (a full cache), and positions whose cached keys end inside a 64-key tile and exactly at
+# its end.
 SHAPES = [
-    (3, 2, 37, 16, [1, 20, 37]),
-    (2, 3, 130, 32, [64, 129]),
-    (1, 1, 5, 64, 5),
-    (2, 2, 70, 16, 3),
+    (3, 2, 37, 16, 0),
+    (3, 2, 37, 16, 19),
+    (3, 2, 37, 16, 36),
+    (2, 3, 130, 32, 64),
+    (2, 3, 130, 32, 128),
+    (1, 1, 5, 64, 4),
+    (2, 2, 70, 16, 2),
 ]
+
+
+def check_decode(backend, dtype, B, H, S, D, pos, device, tolerance):
+    qkv, k_cache, v_cache = cache_inputs(B, H, S, D, dtype, device)
+    o_expected, k_expected, v_expected = expected(qkv.cpu(), k_cache.cpu(), v_cache.cpu(), pos)
+    o = decode_attention(qkv, k_cache, v_cache, torch.tensor([pos], device=device), backend=backend)
+    assert o.shape == (B, 1, H, D) and o.dtype == dtype
+    torch.testing.assert_close(o.double().cpu(), o_expected, atol=tolerance, rtol=tolerance)
+    # The caches are written in place, at row pos and nowhere else: exactly the projection's values.
+    assert torch.equal(k_cache.double().cpu(), k_expected) and torch.equal(v_cache.double().cpu(), v_expected)
 
 
 @pytest.mark.parametrize("backend", BACKENDS)
 @pytest.mark.parametrize("dtype", [torch.float32, torch.float16])
-@pytest.mark.parametrize("B, H, S, D, n", SHAPES)
-def test_decode_attention_matches_float64_on_the_visible_keys(backend, dtype, B, H, S, D, n):
-    q, k_cache, v_cache = cache_inputs(B, H, S, D, dtype)
-    n_keys = torch.tensor(n)
-    o = decode_attention(q, k_cache, v_cache, n_keys, backend=backend)
-    assert o.shape == q.shape and o.dtype == dtype
-    torch.testing.assert_close(o.double(), expected(q, k_cache, v_cache, n_keys), atol=TOLERANCE[dtype],
-                               rtol=TOLERANCE[dtype])
+@pytest.mark.parametrize("B, H, S, D, pos", SHAPES)
+def test_decode_attention_stores_the_token_and_matches_float64_on_the_keys_up_to_its_own(backend, dtype, B, H, S, D,
+                                                                                         pos):
+    check_decode(backend, dtype, B, H, S, D, pos, "cpu", TOLERANCE[dtype])
 
 
 def test_the_eager_reference_masks_what_the_slices_leave_out():
-    q, k_cache, v_cache = cache_inputs(2, 2, 9, 16, torch.float64)
-    n_keys = torch.tensor([4, 9])
-    torch.testing.assert_close(eager_decode_attention(q, k_cache, v_cache, n_keys), expected(q, k_cache, v_cache, n_keys))
+    qkv, k_cache, v_cache = cache_inputs(2, 2, 9, 16, torch.float64)
+    o_expected, _, _ = expected(qkv, k_cache, v_cache, 4)
+    torch.testing.assert_close(decode_attention(qkv, k_cache, v_cache, torch.tensor([4]), backend="eager"), o_expected)
 
 
 @pytest.mark.parametrize("bad, message", [
-    (dict(q=torch.randn(1, 2, 2, 16)), r"q must have shape \(B, H, 1, D\)"),
-    (dict(n_keys=torch.tensor(3.0)), "n_keys must be an integer torch.Tensor"),
-    (dict(n_keys=3), "n_keys must be an integer torch.Tensor"),
-    (dict(n_keys=torch.tensor([3, 4, 5])), r"n_keys must have shape \(\) or \(B,\) = \(1,\)"),
-    (dict(k_cache=torch.randn(1, 2, 8, 32)), "head dim 32 must equal q's head dim 16"),
+    (dict(qkv=torch.randn(1, 2, 3, 2, 16)), r"qkv must have shape \(B, 1, 3, H, D\), one new token"),
+    (dict(qkv=torch.randn(1, 1, 2, 2, 16)), r"qkv must have shape \(B, N, 3, H, D\)"),
+    (dict(pos=torch.tensor([3.0])), "pos must be an integer torch.Tensor"),
+    (dict(pos=3), "pos must be an integer torch.Tensor"),
+    (dict(pos=torch.tensor(3)), r"pos must have shape \(1,\)"),
+    (dict(k_cache=torch.randn(1, 2, 8, 32)), r"k_cache must have shape \(B, H, S, D\) = \(1, 2, S, 16\)"),
+    (dict(v_cache=torch.randn(1, 2, 8, 16, dtype=torch.float64)), "v_cache is torch.float64 on cpu but qkv is "),
+    (dict(v_cache=torch.randn(1, 2, 9, 16)), r"v_cache has shape \(1, 2, 9, 16\) but k_cache has"),
 ])
 def test_bad_decode_inputs_are_named(bad, message):
-    args = dict(q=torch.randn(1, 2, 1, 16), k_cache=torch.randn(1, 2, 8, 16), v_cache=torch.randn(1, 2, 8, 16),
-                n_keys=torch.tensor(3))
+    args = dict(qkv=torch.randn(1, 1, 3, 2, 16), k_cache=torch.randn(1, 2, 8, 16), v_cache=torch.randn(1, 2, 8, 16),
+                pos=torch.tensor([3]))
     args.update(bad)
     with pytest.raises(ValueError, match=message):
         decode_attention(**args, backend="eager")
 
 
-
 def test_an_unknown_decode_backend_is_named():
     with pytest.raises(ValueError, match="backend='flash' is not one of"):
-        decode_attention(torch.randn(1, 2, 1, 16), torch.randn(1, 2, 8, 16), torch.randn(1, 2, 8, 16), torch.tensor(3),
-                         backend="flash")
+        decode_attention(*cache_inputs(1, 2, 8, 16, torch.float32), torch.tensor([3]), backend="flash")
 
 
 def test_the_triton_decode_operator_passes_opcheck():
-    q, k_cache, v_cache = cache_inputs(2, 2, 19, 16, torch.float32)
-    torch.library.opcheck(torch.ops.nanofa2.triton_decode_attention.default, (q, k_cache, v_cache, torch.tensor([7, 19])))
+    # opcheck also checks that the schema declares every input the operator writes: the caches.
+    qkv, k_cache, v_cache = cache_inputs(2, 2, 19, 16, torch.float32)
+    torch.library.opcheck(torch.ops.nanofa2.triton_decode_attention.default, (qkv, k_cache, v_cache, torch.tensor([7])))
 
 
 @pytest.mark.parametrize("attn", ["eager", "triton", "sdpa"])
@@ -152,17 +167,19 @@ def test_top_k_of_one_is_the_argmax_and_temperature_sharpens():
     assert sharp > 0.9 > 0.5 > flat
 
 
-def test_the_compiled_step_writes_the_cache_in_place(tmp_path):
+@pytest.mark.parametrize("attn", ["eager", "triton"])
+def test_the_compiled_step_writes_the_cache_in_place(attn):
     # Inductor on the CPU, odd shapes so that one layer's cache has a size no other tensor has
     # (3 * 2 * 37 * 16 = 3552 elements). Had the cache been one (n_layer, ...) tensor of which
     # each layer writes a view, functionalization would copy every layer's cache into a temporary
     # (a loop over 3552 elements), write the token there and copy it all back: per token, the
     # whole cache read and written twice, which made the compiled batch-32 step slower than the
-    # uncompiled one on the GPU.
+    # uncompiled one on the GPU. triton's kernel writes the cache itself: had Inductor not made
+    # that write in place, it would copy each cache before the kernel and back after it.
     from torch._inductor.utils import run_and_get_code
     torch._dynamo.reset()
     torch.manual_seed(0)
-    gpt = GPT(GPTConfig(block_size=37, vocab_size=64, n_layer=2, n_head=2, n_embd=32, attn="eager")).eval()
+    gpt = GPT(GPTConfig(block_size=37, vocab_size=64, n_layer=2, n_head=2, n_embd=32, attn=attn)).eval()
     cache = gpt.new_cache(3)
     token, pos = torch.randint(0, 64, (3, 1)), torch.tensor([5])
     step = torch.compile(gpt.decode_step, backend="inductor", fullgraph=True, dynamic=False)
@@ -172,7 +189,7 @@ def test_the_compiled_step_writes_the_cache_in_place(tmp_path):
     torch.testing.assert_close(logits, expected_logits)
     k, v = cache.layers[1]
     assert k[:, :, 5].abs().sum() > 0 and k[:, :, 6:].abs().sum() == 0 and v[:, :, :5].abs().sum() == 0
-    assert "3552" not in code
+    assert "3552" not in code and "aten.copy_" not in code and "aten.clone" not in code
 
 
 def test_the_decode_step_compiles_once_across_tokens_refills_and_generate_calls():
@@ -191,12 +208,9 @@ def test_the_decode_step_compiles_once_across_tokens_refills_and_generate_calls(
 
 @pytest.mark.gpu
 @pytest.mark.parametrize("backend", BACKENDS)
-@pytest.mark.parametrize("B, H, S, D, n", SHAPES + [(32, 6, 256, 64, 200), (1, 6, 256, 128, 256)])
-def test_decode_attention_on_the_gpu_in_bfloat16(backend, B, H, S, D, n):
-    q, k_cache, v_cache = cache_inputs(B, H, S, D, torch.bfloat16, device="cuda")
-    n_keys = torch.tensor(n, device="cuda")
-    o = decode_attention(q, k_cache, v_cache, n_keys, backend=backend)
-    torch.testing.assert_close(o.double(), expected(q, k_cache, v_cache, n_keys), atol=2e-2, rtol=2e-2)
+@pytest.mark.parametrize("B, H, S, D, pos", SHAPES + [(32, 6, 256, 64, 199), (1, 6, 256, 128, 255)])
+def test_decode_attention_on_the_gpu_in_bfloat16(backend, B, H, S, D, pos):
+    check_decode(backend, torch.bfloat16, B, H, S, D, pos, "cuda", 2e-2)
 
 
 def uncaptured_greedy(gpt, tokens, max_new_tokens):

@@ -42,27 +42,27 @@ def test_greedy_tokens_are_the_same_with_and_without_the_cache_past_block_size(a
 
 def test_the_prefill_is_causal_and_each_step_sees_the_cached_keys_up_to_its_own(monkeypatch):
     seen = []
-    real_attention, real_decode_attention = model_module.attention, model_module.decode_attention
+    real_attention, real_decode_attention = model_module.packed_attention, model_module.decode_attention
 
-    def recording_attention(q, k, v, is_causal, backend):
-        seen.append(("attention", q.shape[-2], k.shape[-2], is_causal))
-        return real_attention(q, k, v, is_causal=is_causal, backend=backend)
+    def recording_attention(qkv, is_causal, backend):
+        seen.append(("attention", qkv.shape[1], is_causal))
+        return real_attention(qkv, is_causal=is_causal, backend=backend)
 
-    def recording_decode_attention(q, k_cache, v_cache, n_keys, backend):
-        seen.append(("decode", q.shape[-2], k_cache.shape[-2], n_keys.item()))
-        return real_decode_attention(q, k_cache, v_cache, n_keys, backend=backend)
+    def recording_decode_attention(qkv, k_cache, v_cache, pos, backend):
+        seen.append(("decode", qkv.shape[1], k_cache.shape[-2], pos.item()))
+        return real_decode_attention(qkv, k_cache, v_cache, pos, backend=backend)
 
-    monkeypatch.setattr(model_module, "attention", recording_attention)
+    monkeypatch.setattr(model_module, "packed_attention", recording_attention)
     monkeypatch.setattr(model_module, "decode_attention", recording_decode_attention)
     gpt = context_sensitive_gpt("sdpa")
     gpt.generate(prompt(length=14), max_new_tokens=4, top_k=1)
     calls = seen[::2]  # layer 0 of each step; layer 1 makes the same call
     assert seen[1::2] == calls
     assert calls == [
-        ("attention", 14, 14, True),  # prefill: queries and keys are the same tokens
-        ("decode", 1, 16, 15),        # the new token sees cached keys [0, 15): its own is the 15th
-        ("decode", 1, 16, 16),        # the cache is now full (block_size=16)
-        ("attention", 16, 16, True),  # so it is refilled from the last 16 tokens
+        ("attention", 14, True),  # prefill: queries and keys are the same 14 tokens
+        ("decode", 1, 16, 14),    # the new token goes in at position 14 and sees keys [0, 14]
+        ("decode", 1, 16, 15),    # the cache is now full (block_size=16)
+        ("attention", 16, True),  # so it is refilled from the last 16 tokens
     ]
 
 
