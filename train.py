@@ -365,9 +365,11 @@ def forward_backward(training, batches):
     gradients, so a step costs one all-reduce rather than one per micro-batch.
     """
     config, world, model = training.config, training.world, training.train_model
-    # Zeroed in place rather than set to None: a CUDA graph writes the gradients where the
-    # previous step left them.
-    training.optimizer.zero_grad(set_to_none=False)
+    # Set to None, so that the first micro-batch's backward writes the gradients instead of
+    # adding them to zeros (a kernel per parameter less; docs/benchmarks.md, session 16). A
+    # captured step (cuda_graph=True) zeroes them in place: its graph writes the gradients where
+    # the previous step left them.
+    training.optimizer.zero_grad(set_to_none=not config.cuda_graph)
     loss_sum = torch.zeros((), device=training.device)
     for micro_step, (x, y) in enumerate(batches):
         accumulate_only = world.distributed and micro_step < len(batches) - 1

@@ -43,7 +43,7 @@ def make_step(model, optimizer, batches, compiled, graphed):
     """train.py's step without its clipping and loss read: forward_backward (as one CUDA graph
     with graphed, training/step_graph.py), then the optimizer."""
     def forward_backward(batches):
-        optimizer.zero_grad(set_to_none=False)
+        optimizer.zero_grad(set_to_none=not graphed)
         loss_sum = torch.zeros((), device="cuda")
         for x, y in batches:
             if compiled:
