@@ -97,7 +97,7 @@ def store_then_attend(qkv, k_cache, v_cache, pos, attend):
 
 
 def triton_kernel_decode_attention(qkv, k_cache, v_cache, pos):
-    check_triton_inputs(unpack_heads(qkv)[0], k_cache, v_cache)  # q's last-dim stride is qkv's
+    check_triton_inputs(qkv, k_cache, v_cache, names=("qkv", "k_cache", "v_cache"))
     return triton_decode_attention(qkv, k_cache, v_cache, pos)
 
 

@@ -62,14 +62,16 @@ def check_tensor(name, t):
                          "values (on the CPU or a GPU)")
 
 
-def check_triton_inputs(q, k, v):
-    """The Triton kernels' own limits, beyond check_inputs."""
+def check_triton_inputs(q, k, v, names=("q", "k", "v")):
+    """The Triton kernels' own limits, beyond check_inputs. names: what the caller calls q, k
+    and v (decode.py: the fused projection and the two caches)."""
     if q.dtype not in TRITON_DTYPES:
-        raise ValueError(f"q has dtype {q.dtype}; the Triton kernels take {', '.join(map(str, TRITON_DTYPES))}")
+        raise ValueError(f"{names[0]} has dtype {q.dtype}; the Triton kernels take "
+                         f"{', '.join(map(str, TRITON_DTYPES))}")
     if q.shape[-1] not in TRITON_HEAD_DIMS:
-        raise ValueError(f"q has head dim D={q.shape[-1]}; the Triton kernels support D in {TRITON_HEAD_DIMS} "
+        raise ValueError(f"{names[0]} has head dim D={q.shape[-1]}; the Triton kernels support D in {TRITON_HEAD_DIMS} "
                          "(the eager, tiled and sdpa backends take any D)")
-    for name, t in (("q", q), ("k", k), ("v", v)):
+    for name, t in zip(names, (q, k, v)):
         if t.stride(-1) != 1 and t.shape[-1] > 1:
             raise ValueError(f"{name} has last-dim stride {t.stride(-1)}; the Triton kernels need stride 1 "
                              f"along D (pass {name}.contiguous())")

@@ -94,6 +94,14 @@ def test_bad_decode_inputs_are_named(bad, message):
         decode_attention(**args, backend="eager")
 
 
+def test_the_triton_decode_backend_names_a_fused_projection_it_cannot_read():
+    qkv, k_cache, v_cache = cache_inputs(1, 2, 8, 32, torch.float32)
+    with pytest.raises(ValueError, match=r"qkv has last-dim stride 2; .* \(pass qkv.contiguous\(\)\)"):
+        decode_attention(qkv[..., ::2], k_cache[..., :16], v_cache[..., :16], torch.tensor([3]), backend="triton")
+    with pytest.raises(ValueError, match="qkv has head dim D=24; the Triton kernels support D in"):
+        decode_attention(qkv[..., :24], k_cache[..., :24], v_cache[..., :24], torch.tensor([3]), backend="triton")
+
+
 def test_an_unknown_decode_backend_is_named():
     with pytest.raises(ValueError, match="backend='flash' is not one of"):
         decode_attention(*cache_inputs(1, 2, 8, 16, torch.float32), torch.tensor([3]), backend="flash")
