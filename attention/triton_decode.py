@@ -6,8 +6,9 @@ the running softmax state (m_i, l_i, acc) starts from the token's own key, which
 registers, and then walks the cached keys and values [0, pos) in tiles of BLOCK_N rows. pos is
 read from memory: the host never learns it, so the launch is the same at every step and a CUDA
 graph can replay it while the cache fills. Storing inside the kernel spares a compiled decode
-step the separate kernels that would write the cache and compute the key count, four a layer.
-The program reads only rows below the one it writes, so the store needs no barrier.
+step the separate kernels that would write the cache and compute the key count (three or
+four a layer). The program reads only rows below the one it writes, so the store needs no
+barrier.
 
 A decode step has one query row, so there is no matrix product to give tensor cores: the
 scores are a broadcast multiply and a row sum, in float32. There is no split-K ("flash-
