@@ -6,7 +6,6 @@ torchrun gives each process RANK (0 .. WORLD_SIZE-1), LOCAL_RANK (its index on t
 which picks its GPU) and WORLD_SIZE. A process started without torchrun is rank 0 of 1, and
 every method below does nothing or returns its own value, so train.py has one code path.
 """
-import gc
 import os
 
 import torch
@@ -40,12 +39,6 @@ class World:
 
     def stop(self):
         if self.distributed and dist.is_initialized():
-            # Objects in reference cycles that hold the process group (train.py's Training
-            # record, with its DDP model) are freed here, while the group still exists, rather
-            # than by the collector at interpreter exit. Without this, one process of a
-            # two-process CPU run aborted at exit now and then ("terminate called without an
-            # active exception": 9 of 56 runs; none of 40 with it).
-            gc.collect()
             dist.destroy_process_group()
 
     def barrier(self):
