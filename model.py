@@ -26,7 +26,7 @@ import torch
 import torch.nn as nn
 import torch.nn.functional as F
 
-from attention import BACKENDS, decode_attention, packed_attention, unpack_heads
+from attention import BACKENDS, decode_attention, packed_attention, store_in_cache
 
 # torch.profiler ranges that training/profiling.py sorts a step's time by.
 ATTENTION_RANGE = "attention"
@@ -208,9 +208,7 @@ class CausalSelfAttention(nn.Module):
                 # A prefill into an empty cache: store the prompt's keys and values, then attend
                 # as training does, over the same T tokens, top-left causal, so its logits are
                 # exactly those of the same tokens fed without a cache.
-                _, k, v = unpack_heads(qkv)
-                kv_cache[0].index_copy_(2, pos, k)
-                kv_cache[1].index_copy_(2, pos, v)
+                store_in_cache(qkv, *kv_cache, pos)
             # The fused projection goes to attention whole (q, k, v = qkv.unbind(2)), which spares
             # the triton backend six autograd nodes a layer (attention/__init__.py).
             with labelled(ATTENTION_RANGE):

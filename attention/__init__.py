@@ -62,8 +62,8 @@ from .sdpa import sdpa_attention  # noqa: E402
 from .tiled import FlashAttentionPytorch  # noqa: E402
 from .triton_ops import triton_attention, triton_fwd_attention, triton_packed_attention  # noqa: E402
 
-__all__ = ["BACKENDS", "attention", "packed_attention", "unpack_heads", "eager_attention", "eager_attention_with_lse",
-           "sdpa_attention", "FlashAttentionPytorch", "triton_attention", "triton_fwd_attention", "triton_packed_attention"]
+__all__ = ["BACKENDS", "attention", "packed_attention", "eager_attention", "eager_attention_with_lse", "sdpa_attention",
+           "FlashAttentionPytorch", "triton_attention", "triton_fwd_attention", "triton_packed_attention"]
 
 BACKENDS = ("eager", "tiled", "triton", "triton_fwd", "sdpa")
 
@@ -96,6 +96,6 @@ def packed_attention(qkv, is_causal=False, backend="triton"):
 
 
 # Decoding: one new token per sequence against a static KV cache, every backend (decode.py).
-from .decode import decode_attention  # noqa: E402
+from .decode import decode_attention, store_in_cache  # noqa: E402
 
-__all__ += ["decode_attention"]
+__all__ += ["decode_attention", "store_in_cache"]

@@ -87,13 +87,19 @@ def sdpa_decode_attention(q, k_cache, v_cache, n_keys):
                                                                                       k_cache.shape[2]))
 
 
+def store_in_cache(qkv, k_cache, v_cache, pos):
+    """Write the keys and values of qkv (B, T, 3, H, D) into the caches at positions pos (T,):
+    a decode step's one token here, a prefill's prompt in the model."""
+    _, k, v = unpack_heads(qkv)
+    k_cache.index_copy_(2, pos, k)
+    v_cache.index_copy_(2, pos, v)
+
+
 def store_then_attend(qkv, k_cache, v_cache, pos, attend):
     """eager, tiled and sdpa: store the new key and value with index_copy_, then attend over the
     first n_keys = pos + 1 keys of the cache."""
-    q, k, v = unpack_heads(qkv)
-    k_cache.index_copy_(2, pos, k)
-    v_cache.index_copy_(2, pos, v)
-    return attend(q, k_cache, v_cache, pos + 1).transpose(1, 2)
+    store_in_cache(qkv, k_cache, v_cache, pos)
+    return attend(unpack_heads(qkv)[0], k_cache, v_cache, pos + 1).transpose(1, 2)
 
 
 def triton_kernel_decode_attention(qkv, k_cache, v_cache, pos):
