@@ -15,8 +15,9 @@ import torch
 import triton
 import triton.language as tl
 
+from . import gluon_forward
 from .triton_launch import (INTERPRETING, TunedKernel, descriptor_ready, heads_first, program_grid,
-                            set_tma_scratch_allocator, tuning_key)
+                            set_tma_scratch_allocator, traced, tuning_key)
 from .triton_tiles import (LOG2_E, head_matrix, key_tile_bounds, load_tile, program_tile_and_head, query_tile_start,
                            store_tile, visible_in_tile)
 
@@ -105,7 +106,7 @@ _attn_fwd_tuned = TunedKernel(_attn_fwd, FORWARD_CONFIGS, forward_smem_rows)
 def flash_forward(q, k, v, is_causal, config=None, out=None):
     """q, k, v: (B, H, N, D) descriptor-ready views. Returns O (B, H, N_q, D) in q's dtype
     and lse (B, H, N_q) float32: written into out = (O, lse) when given (O descriptor-ready, lse
-    contiguous). config: a triton.Config to bypass the tuning (tests, bench)."""
+    contiguous). config: a triton.Config to bypass the tuning and gluon_forward.py's kernel (tests, bench)."""
     B, H, N_Q, D = q.shape
     N_K = k.shape[2]
     # O in q's memory order: for the model's q, a view of (B, N, 3, H, D), that is (B, N, H, D),
@@ -121,6 +122,12 @@ def flash_forward(q, k, v, is_causal, config=None, out=None):
     if N_K == 0:  # no key to attend to (TMA cannot describe an empty matrix): O = 0, lse = -inf
         return o.zero_(), lse.fill_(float("-inf"))
     if o.numel() == 0:
+        return o, lse
+    if config is None and not traced(q) and gluon_forward.serves(q, k):
+        # Hopper, head dim 128, long: the warp-specialised kernel measured faster there. A traced
+        # call stays with _attn_fwd: torch.compile records launches through wrap_triton, which
+        # we have not tried with a Gluon kernel.
+        gluon_forward.gluon_forward(q, k, v, o, lse, is_causal)
         return o, lse
     args = (q, k, v, o, lse, *q.stride()[:3], *k.stride()[:3], *v.stride()[:3], *o.stride()[:3],
             H, N_Q, N_K, D ** -0.5 * LOG2_E)

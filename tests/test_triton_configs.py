@@ -1,5 +1,6 @@
 """Every tile config the code can pick on the 12 GB target card (RTX 4070 Super, sm_89) fits
-its 99 KB of shared memory, and every kernel compiles for sm_89 and for Hopper (sm_90, TMA).
+its 99 KB of shared memory, and every kernel compiles for sm_89 and for Hopper (sm_90, TMA),
+the Hopper-only Gluon forward (attention/gluon_forward.py) included.
 
 Triton compiles for a GPU target without a GPU; the compiler reports the shared memory each
 kernel allocates. The prune in attention/triton_launch.py keeps a config when its estimate
@@ -20,17 +21,19 @@ from attention.triton_launch import ADA_SHARED_MEMORY_BYTES
 pytestmark = pytest.mark.xdist_group("triton_configs")
 
 HEAD_DIMS = (16, 32, 64, 128)
+HOPPER_SHARED_MEMORY_BYTES = 232448  # the H100's and H200's most per block
 TENSOR_POINTERS = {"Q", "K", "V", "O", "dO", "GRADS"}
 FLOAT32_POINTERS = {"LSE", "DELTA"}
 ELEMENT_TYPES = {"bf16": 2, "fp32": 4}
 
 
-def compile_for(kernel, element_type, constexprs, capability, num_warps, num_stages):
+def compile_for(kernel, element_type, constexprs, capability, num_warps, num_stages, gluon=False):
     """triton.compile one kernel for a GPU target, with the alignment Triton infers at launch
     for the model's tensors (pointers and integer arguments divisible by 16)."""
     import triton
     from triton.backends.compiler import GPUTarget
     from triton.compiler import ASTSource
+    from triton.experimental.gluon._runtime import GluonASTSource
 
     signature, attrs = {}, {}
     for i, name in enumerate(kernel.arg_names):
@@ -42,14 +45,16 @@ def compile_for(kernel, element_type, constexprs, capability, num_warps, num_sta
             signature[name] = ("*fp32" if name in FLOAT32_POINTERS else "*" + element_type
                                if name in TENSOR_POINTERS else "i32")
             attrs[(i,)] = [["tt.divisibility", 16]]
-    source = ASTSource(kernel, signature, constexprs=constexprs, attrs=attrs)
+    source = (GluonASTSource if gluon else ASTSource)(kernel, signature, constexprs=constexprs, attrs=attrs)
     target = GPUTarget("cuda", capability, 64 if capability >= 90 else 32)
     return triton.compile(source, target=target, options=dict(num_warps=num_warps, num_stages=num_stages))
 
 
 def measure():
     """Compile every config for sm_90; for each cp.async config, also compile for sm_89 at the
-    largest head dim the estimate admits per element size, and report the compiler's shared memory."""
+    largest head dim the estimate admits per element size, and report the compiler's shared
+    memory. Then the Gluon forward for sm_90, with its shared memory."""
+    from attention.gluon_forward import CONFIG, SERVED_HEAD_DIM, _attn_fwd_warp_specialized
     from attention.triton_backward import BACKWARD_CONFIGS, _attn_bwd, backward_smem_rows
     from attention.triton_launch import shared_memory_bytes
     from attention.triton_forward import FORWARD_CONFIGS, _attn_fwd, forward_smem_rows
@@ -71,7 +76,12 @@ def measure():
                 compiled = compile_for(kernel, element_type, constexprs, 89, config.num_warps, config.num_stages)
                 results.append(dict(kernel=kernel.__name__, config=str(config), element_type=element_type,
                                     head_dim=max(admitted), shared=compiled.metadata.shared))
-    return results
+    hopper = []
+    for is_causal in (False, True):
+        compiled = compile_for(_attn_fwd_warp_specialized, "bf16",
+                               dict(CONFIG, IS_CAUSAL=is_causal, HEAD_DIM=SERVED_HEAD_DIM), 90, 4, 1, gluon=True)
+        hopper.append(dict(is_causal=is_causal, shared=compiled.metadata.shared))
+    return dict(ada=results, hopper_gluon=hopper)
 
 
 @pytest.fixture(scope="module")
@@ -84,8 +94,8 @@ def compiled():
 
 
 def test_every_ada_config_fits_shared_memory(compiled):
-    assert compiled, "no config was compiled"
-    too_big = [r for r in compiled if r["shared"] > ADA_SHARED_MEMORY_BYTES]
+    assert compiled["ada"], "no config was compiled"
+    too_big = [r for r in compiled["ada"] if r["shared"] > ADA_SHARED_MEMORY_BYTES]
     assert not too_big, f"configs over sm_89's {ADA_SHARED_MEMORY_BYTES} bytes: {too_big}"
 
 
@@ -94,8 +104,17 @@ def test_every_kernel_has_an_ada_config_for_every_head_dim(compiled):
     element size, so the prune never has to fall back to a config the card cannot hold."""
     for kernel in ("_attn_fwd", "_attn_bwd"):
         for element_type in ELEMENT_TYPES:
-            dims = {r["head_dim"] for r in compiled if r["kernel"] == kernel and r["element_type"] == element_type}
+            dims = {r["head_dim"] for r in compiled["ada"]
+                    if r["kernel"] == kernel and r["element_type"] == element_type}
             assert dims and max(dims) == 128, f"{kernel} {element_type}: no config admitted at head dim 128"
+
+
+def test_gluon_forward_compiles_for_hopper(compiled):
+    """The warp-specialised forward compiles for sm_90, causal and not, within Hopper's 227 KB
+    of shared memory per block."""
+    assert [r["is_causal"] for r in compiled["hopper_gluon"]] == [False, True]
+    for r in compiled["hopper_gluon"]:
+        assert r["shared"] <= HOPPER_SHARED_MEMORY_BYTES, r
 
 
 if __name__ == "__main__":
