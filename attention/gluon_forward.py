@@ -30,9 +30,8 @@ from triton.experimental.gluon.language.nvidia.hopper import (fence_async_shared
                                                              warpgroup_mma_wait)
 
 from .triton_launch import GRID_Y_LIMIT, INTERPRETING, set_tma_scratch_allocator
-from .triton_tiles import LOG2_E
+from .triton_tiles import LN_2, LOG2_E
 
-LN_2 = gl.constexpr(0.6931471805599453)
 SERVED_HEAD_DIM = 128
 MIN_KEYS = 2048
 # BLOCK_M query rows per softmax partition, BLOCK_N keys per tile, STAGES ring slots; registers

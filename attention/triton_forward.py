@@ -18,10 +18,8 @@ import triton.language as tl
 from . import gluon_forward
 from .triton_launch import (INTERPRETING, TunedKernel, descriptor_ready, heads_first, program_grid,
                             set_tma_scratch_allocator, traced, tuning_key)
-from .triton_tiles import (LOG2_E, head_matrix, key_tile_bounds, load_tile, program_tile_and_head, query_tile_start,
-                           store_tile, visible_in_tile)
-
-LN_2 = tl.constexpr(0.6931471805599453)
+from .triton_tiles import (LN_2, LOG2_E, head_matrix, key_tile_bounds, load_tile, program_tile_and_head,
+                           query_tile_start, store_tile, visible_in_tile)
 
 
 @triton.jit

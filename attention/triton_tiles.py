@@ -9,6 +9,7 @@ import triton
 import triton.language as tl
 
 LOG2_E = 1.4426950408889634  # the kernels' softmax runs in base 2: exp(x) = exp2(x * LOG2_E)
+LN_2 = tl.constexpr(0.6931471805599453)  # and the forwards' lse goes back: log(x) = log2(x) * LN_2
 
 
 @triton.jit

@@ -620,7 +620,7 @@ def test_gpu_warp_specialized_forward(n_q, n_k, is_causal, dtype):
     o, lse = flash_forward(q, k, v, is_causal)
     o_ref, lse_ref = eager_attention_with_lse(q.double(), k.double(), v.double(), is_causal)
     assert_close(o, o_ref, GPU_TOLERANCE[dtype], "O")
-    assert_close(lse, lse_ref, 1e-2, "lse")
+    assert_close(lse, lse_ref, 1e-4, "lse")  # float32 scores of exact 16-bit products
 
 
 @gpu
