@@ -227,14 +227,15 @@ ATOMIC_DQ_CONFIG = triton.Config({"BLOCK_M": 64, "BLOCK_N": 64, "DKDV_BLOCK_M": 
 
 
 # _attn_bwd leaves N_Q and N_K unspecialised (Triton compiles a kernel again for a length that is
-# 1, or divisible by 16, where the last was not). With atomics that measured 10-20% slower than the
+# 1, or divisible by 16, where the last was not). With atomics that measured 14-25% slower than the
 # same kernel specialised on them: this copy of it is.
 _attn_bwd_dq_by_atomics = triton.jit(_attn_bwd.fn)
 
 
 def dq_by_atomics(q, k, is_causal):
     """Whether flash_backward adds dQ up with atomics: 16-bit, head dim ATOMIC_DQ_HEAD_DIM, at least
-    ATOMIC_DQ_MIN_TOKENS queries and keys (twice that when causal), compiled for a card with TMA."""
+    ATOMIC_DQ_MIN_TOKENS queries and keys (twice that when causal), on a card with TMA, not in the
+    interpreter (flash_backward also keeps the split for a traced call or a given config)."""
     min_tokens = ATOMIC_DQ_MIN_TOKENS * (2 if is_causal else 1)
     return (q.dtype in (torch.bfloat16, torch.float16) and q.shape[-1] == ATOMIC_DQ_HEAD_DIM
             and min(q.shape[2], k.shape[2]) >= min_tokens and not INTERPRETING and has_tma(q.device))
