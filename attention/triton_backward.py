@@ -21,7 +21,7 @@ the real arguments).
 FlashAttention-2 and -3 add dQ up with atomics instead: the dK/dV programs, which have dS in
 hand, each add their share dS^T K into a float32 dQ. On the H200 that measured faster only at
 head dim 64 and long sequences (full attention from 4,096 tokens, causal from 8,192), with the
-adds done by TMA (the copy engine's reduce into global memory), and 20-30% slower at head dim
+adds done by TMA (the copy engine's reduce into global memory), and 13-28% slower at head dim
 128 (docs/optimisation.md, "dQ by atomic adds"). flash_backward takes that path where
 dq_by_atomics() says so: the same kernel with DQ_BY_ATOMICS set, compiled for the lengths, the
 dQ job left out of the grid, one fixed config (no tuning: each timed run would add into the sums
@@ -162,17 +162,12 @@ def _attn_bwd(Q, K, V, dO, GRADS, DQ_SUMS, LSE, DELTA, dq_offset, dk_offset, dv_
     DELTA += bh * N_Q
     key_tiles = tl.cdiv(N_K, BLOCK_N)
 
-    if DQ_BY_ATOMICS:  # every program is a dK/dV program: no branch around its loop
+    if tile < key_tiles:
         _dkdv_program(Q, dO, dK, dV, DQ_SUMS, K, V, LSE, DELTA, tile, bh, H, N_Q, N_K, qk_scale, sm_scale,
                       stride_qb, stride_qh, stride_qn, stride_kn, stride_vn, stride_dob, stride_doh, stride_don,
                       stride_dkb, stride_dkh, stride_dkn, stride_dvb, stride_dvh, stride_dvn,
                       IS_CAUSAL, HEAD_DIM, BLOCK_N, DKDV_BLOCK_M, USE_TMA, DQ_BY_ATOMICS)
-    elif tile < key_tiles:
-        _dkdv_program(Q, dO, dK, dV, DQ_SUMS, K, V, LSE, DELTA, tile, bh, H, N_Q, N_K, qk_scale, sm_scale,
-                      stride_qb, stride_qh, stride_qn, stride_kn, stride_vn, stride_dob, stride_doh, stride_don,
-                      stride_dkb, stride_dkh, stride_dkn, stride_dvb, stride_dvh, stride_dvn,
-                      IS_CAUSAL, HEAD_DIM, BLOCK_N, DKDV_BLOCK_M, USE_TMA, DQ_BY_ATOMICS)
-    else:
+    elif not DQ_BY_ATOMICS:  # with atomics the grid has key-tile programs only, and the kernel no dQ job
         # dQ of a query tile, in the forward's order among the query-tile programs.
         start_m = query_tile_start(tile - key_tiles, tiles - key_tiles, IS_CAUSAL, BLOCK_M)
         q_matrix = head_matrix(Q, bh, H, stride_qb, stride_qh, stride_qn, N_Q, HEAD_DIM, BLOCK_M, USE_TMA)
