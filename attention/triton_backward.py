@@ -23,7 +23,7 @@ hand, each add their share dS^T K into a float32 dQ. On the H200 that measured f
 head dim 64 and long sequences (full attention from 4,096 tokens, causal from 8,192), with the
 adds done by TMA (the copy engine's reduce into global memory), and 13-28% slower at head dim
 128 (docs/optimisation.md, "dQ by atomic adds"). flash_backward takes that path where
-dq_by_atomics() says so: the same kernel with DQ_BY_ATOMICS set, compiled for the lengths, the
+dq_by_atomics() says so: the same kernel with DQ_BY_ATOMICS set, the
 dQ job left out of the grid, one fixed config (no tuning: each timed run would add into the sums
 again). There the float32 sums come out in whatever order the adds land, so dQ can differ in
 its last bits from run to run.
@@ -138,7 +138,7 @@ def _dkdv_program(Q, dO, dK, dV, DQ_SUMS, K, V, LSE, DELTA, tile, bh, H, N_Q, N_
     store_tile(dv_matrix, start_n, N_K, stride_dvn, dv, BLOCK_N, HEAD_DIM, USE_TMA)
 
 
-@triton.jit(do_not_specialize=["N_Q", "N_K"])
+@triton.jit
 def _attn_bwd(Q, K, V, dO, GRADS, DQ_SUMS, LSE, DELTA, dq_offset, dk_offset, dv_offset,
               stride_qb, stride_qh, stride_qn, stride_kb, stride_kh, stride_kn,
               stride_vb, stride_vh, stride_vn, stride_dob, stride_doh, stride_don,
@@ -221,12 +221,6 @@ ATOMIC_DQ_CONFIG = triton.Config({"BLOCK_M": 64, "BLOCK_N": 64, "DKDV_BLOCK_M": 
                                  num_stages=3)
 
 
-# _attn_bwd leaves N_Q and N_K unspecialised (Triton compiles a kernel again for a length that is
-# 1, or divisible by 16, where the last was not). With atomics that measured 14-25% slower than the
-# same kernel specialised on them: this copy of it is.
-_attn_bwd_dq_by_atomics = triton.jit(_attn_bwd.fn)
-
-
 def dq_by_atomics(q, k, is_causal):
     """Whether flash_backward adds dQ up with atomics: 16-bit, head dim ATOMIC_DQ_HEAD_DIM, at least
     ATOMIC_DQ_MIN_TOKENS queries and keys (twice that when causal), on a card with TMA, not in the
@@ -289,7 +283,7 @@ def flash_backward(q, k, v, o, do, lse, is_causal, out=None, config=None):
             sm_scale)
     constexprs = dict(IS_CAUSAL=is_causal, HEAD_DIM=D, HEADS_FIRST=heads_go_first, DQ_BY_ATOMICS=atomics)
     if atomics:  # the key-tile programs alone
-        _attn_bwd_dq_by_atomics[program_grid(triton.cdiv(N_K, ATOMIC_DQ_CONFIG.kwargs["BLOCK_N"]), B * H,
+        _attn_bwd[program_grid(triton.cdiv(N_K, ATOMIC_DQ_CONFIG.kwargs["BLOCK_N"]), B * H,
                                              heads_go_first)](
             *args, **constexprs, **ATOMIC_DQ_CONFIG.all_kwargs())
         dq.copy_(dq_sums)
