@@ -32,7 +32,7 @@ The files, in reading order:
   triton_tiles.py        the @triton.jit helpers both kernels share (bounds, mask, loads, stores)
   triton_forward.py      the forward kernel
   gluon_forward.py       the forward warp-specialised in Gluon, which it hands Hopper's long D=128 calls
-  triton_backward.py     the backward kernels: delta, then both passes in one launch (or dQ by atomics)
+  triton_backward.py     the backward kernels: delta, then both passes in one launch
   triton_ops.py          the kernels as torch.library custom operators, with their autograd
   triton_launch.py       the host side of a launch: layouts, device checks, config tuning
   recompute_backward.py  triton_fwd's backward, the step before the FlashAttention-2 backward

@@ -1,5 +1,5 @@
 """FlashAttention-2 backward in Triton: a delta kernel, then one launch that computes dQ and
-dK, dV together.
+dK, dV together, with no atomics.
 
 1. _attn_bwd_delta: delta = rowsum(dO * O) for every query row, which both jobs below need.
 2. _attn_bwd: each program does one of two jobs, chosen by its index.
@@ -16,17 +16,10 @@ Neither job stores P: both recompute it from the saved logsumexp, P = exp2(S*log
 Splitting dQ from dK/dV costs two more matrix multiplies per tile pair (S = Q K^T and dP again:
 seven, not five) but lets every program own its output tile, so there are no atomic adds, and
 running the launch twice gives the same result (which is what lets TunedKernel time configs on
-the real arguments).
-
-FlashAttention-2 and -3 add dQ up with atomics instead: the dK/dV programs, which have dS in
-hand, each add their share dS^T K into a float32 dQ. On the H200 that measured faster only at
-head dim 64 and long sequences (full attention from 4,096 tokens, causal from 8,192), with the
-adds done by TMA (the copy engine's reduce into global memory), and 13-28% slower at head dim
-128 (docs/optimisation.md, "dQ by atomic adds"). flash_backward takes that path where
-dq_by_atomics() says so: the same kernel with DQ_BY_ATOMICS set, the
-dQ job left out of the grid, one fixed config (no tuning: each timed run would add into the sums
-again). There the float32 sums come out in whatever order the adds land, so dQ can differ in
-its last bits from run to run.
+the real arguments). FlashAttention-2 and -3 add dQ up with atomics instead, from the dK/dV
+programs; on the H200 that was slower at head dim 128 and within a few percent of this kernel
+at 64 (docs/optimisation.md, "dQ by atomic adds"), so the split stays: deterministic, and one
+code path.
 
 tiled_backward.py is this file's twin in PyTorch: delta, then the same two jobs, with the same
 names and tile bounds. The tile helpers both kernels share are in triton_tiles.py.
@@ -35,8 +28,8 @@ import torch
 import triton
 import triton.language as tl
 
-from .triton_launch import (INTERPRETING, TunedKernel, dense_strides, descriptor_ready, has_tma, heads_first,
-                            program_grid, set_tma_scratch_allocator, traced, tuning_key)
+from .triton_launch import (INTERPRETING, TunedKernel, dense_strides, descriptor_ready, heads_first, program_grid,
+                            set_tma_scratch_allocator, tuning_key)
 from .triton_tiles import (LOG2_E, head_matrix, key_tile_bounds, load_tile, program_tile_and_head, query_tile_bounds,
                            query_tile_start, store_tile, visible_in_tile)
 
@@ -59,12 +52,10 @@ def _attn_bwd_delta(O, dO, DELTA, stride_ob, stride_oh, stride_on, stride_dob, s
 
 
 @triton.jit
-def _dkdv_query_tiles(dk, dv, k_tile, v_tile, Q, dO, dq_sums, stride_qn, stride_don, LSE, DELTA, start_m, end_m, cols,
-                      N_Q, N_K, qk_scale, sm_scale, MASKED: tl.constexpr, IS_CAUSAL: tl.constexpr,
-                      HEAD_DIM: tl.constexpr, BLOCK_M: tl.constexpr, USE_TMA: tl.constexpr,
-                      DQ_BY_ATOMICS: tl.constexpr):
-    """Add the contributions of query tiles [start_m, end_m) to this K/V tile's dK, dV, and
-    with DQ_BY_ATOMICS this K/V tile's contribution to each query tile's dQ into dq_sums.
+def _dkdv_query_tiles(dk, dv, k_tile, v_tile, Q, dO, stride_qn, stride_don, LSE, DELTA, start_m, end_m, cols, N_Q,
+                      N_K, qk_scale, MASKED: tl.constexpr, IS_CAUSAL: tl.constexpr, HEAD_DIM: tl.constexpr,
+                      BLOCK_M: tl.constexpr, USE_TMA: tl.constexpr):
+    """Add the contributions of query tiles [start_m, end_m) to this K/V tile's dK, dV.
     Everything is transposed (keys along rows) so the accumulators keep the K/V tile's shape."""
     for tile_start in range(start_m, end_m, BLOCK_M):
         rows = tile_start + tl.arange(0, BLOCK_M)
@@ -79,10 +70,8 @@ def _dkdv_query_tiles(dk, dv, k_tile, v_tile, Q, dO, dq_sums, stride_qn, stride_
             p_t = tl.where(visible_in_tile(rows[None, :], cols[:, None], N_K, IS_CAUSAL), p_t, 0.0)
         dv += tl.dot(p_t.to(do_tile.dtype), do_tile)
         dp_t = tl.dot(v_tile, tl.trans(do_tile))
-        ds_t = (p_t * (dp_t - delta[None, :])).to(q_tile.dtype)
-        dk += tl.dot(ds_t, q_tile)
-        if DQ_BY_ATOMICS:  # TMA adds the tile into global memory; rows past N_Q are dropped
-            dq_sums.atomic_add([tile_start, 0], tl.dot(tl.trans(ds_t), k_tile) * sm_scale)
+        ds_t = p_t * (dp_t - delta[None, :])
+        dk += tl.dot(ds_t.to(q_tile.dtype), q_tile)
     return dk, dv
 
 
@@ -104,55 +93,21 @@ def _dq_key_tiles(dq, q_tile, do_tile, lse, delta, K, V, stride_kn, stride_vn, s
     return dq
 
 
+# Compiled for the lengths (Triton specialises an integer on being 1 or divisible by 16, so a
+# few binaries at most): faster at every paper shape than with N_Q and N_K unspecialised, as the
+# forward keeps them, which specialising did not speed up (docs/optimisation.md, "dQ by atomic adds").
 @triton.jit
-def _dkdv_program(Q, dO, dK, dV, DQ_SUMS, K, V, LSE, DELTA, tile, bh, H, N_Q, N_K, qk_scale, sm_scale,
-                  stride_qb, stride_qh, stride_qn, stride_kn, stride_vn, stride_dob, stride_doh, stride_don,
-                  stride_dkb, stride_dkh, stride_dkn, stride_dvb, stride_dvh, stride_dvn,
-                  IS_CAUSAL: tl.constexpr, HEAD_DIM: tl.constexpr, BLOCK_N: tl.constexpr, DKDV_BLOCK_M: tl.constexpr,
-                  USE_TMA: tl.constexpr, DQ_BY_ATOMICS: tl.constexpr):
-    """The dK/dV job: dK, dV of key tile `tile` of batch-head bh (K, V: its head matrices; LSE,
-    DELTA: its rows), and with DQ_BY_ATOMICS its share of dQ added into DQ_SUMS. Causal: tile 0
-    is seen by every query tile, so the programs with the most work start first."""
-    start_n = tile * BLOCK_N
-    streamed_q = head_matrix(Q, bh, H, stride_qb, stride_qh, stride_qn, N_Q, HEAD_DIM, DKDV_BLOCK_M, USE_TMA)
-    streamed_do = head_matrix(dO, bh, H, stride_dob, stride_doh, stride_don, N_Q, HEAD_DIM, DKDV_BLOCK_M, USE_TMA)
-    dk_matrix = head_matrix(dK, bh, H, stride_dkb, stride_dkh, stride_dkn, N_K, HEAD_DIM, BLOCK_N, USE_TMA)
-    dv_matrix = head_matrix(dV, bh, H, stride_dvb, stride_dvh, stride_dvn, N_K, HEAD_DIM, BLOCK_N, USE_TMA)
-    dq_sums = DQ_SUMS
-    if DQ_BY_ATOMICS:  # this head's (N_Q, HEAD_DIM) float32 sums
-        dq_sums = tl.make_tensor_descriptor(DQ_SUMS + bh.to(tl.int64) * N_Q * HEAD_DIM, shape=[N_Q, HEAD_DIM],
-                                            strides=[HEAD_DIM, 1], block_shape=[DKDV_BLOCK_M, HEAD_DIM])
-    cols = start_n + tl.arange(0, BLOCK_N)
-    k_tile = load_tile(K, start_n, N_K, stride_kn, BLOCK_N, HEAD_DIM, USE_TMA)  # keys past N_K: zeros, never stored
-    v_tile = load_tile(V, start_n, N_K, stride_vn, BLOCK_N, HEAD_DIM, USE_TMA)
-    dk = tl.zeros([BLOCK_N, HEAD_DIM], dtype=tl.float32)
-    dv = tl.zeros([BLOCK_N, HEAD_DIM], dtype=tl.float32)
-    start_m, unmasked_start = query_tile_bounds(start_n, N_Q, IS_CAUSAL, DKDV_BLOCK_M, BLOCK_N)
-    dk, dv = _dkdv_query_tiles(dk, dv, k_tile, v_tile, streamed_q, streamed_do, dq_sums, stride_qn, stride_don,
-                               LSE, DELTA, start_m, unmasked_start, cols, N_Q, N_K, qk_scale, sm_scale, True,
-                               IS_CAUSAL, HEAD_DIM, DKDV_BLOCK_M, USE_TMA, DQ_BY_ATOMICS)
-    dk, dv = _dkdv_query_tiles(dk, dv, k_tile, v_tile, streamed_q, streamed_do, dq_sums, stride_qn, stride_don,
-                               LSE, DELTA, unmasked_start, N_Q, cols, N_Q, N_K, qk_scale, sm_scale, False,
-                               IS_CAUSAL, HEAD_DIM, DKDV_BLOCK_M, USE_TMA, DQ_BY_ATOMICS)
-    store_tile(dk_matrix, start_n, N_K, stride_dkn, dk * sm_scale, BLOCK_N, HEAD_DIM, USE_TMA)
-    store_tile(dv_matrix, start_n, N_K, stride_dvn, dv, BLOCK_N, HEAD_DIM, USE_TMA)
-
-
-@triton.jit
-def _attn_bwd(Q, K, V, dO, GRADS, DQ_SUMS, LSE, DELTA, dq_offset, dk_offset, dv_offset,
+def _attn_bwd(Q, K, V, dO, GRADS, LSE, DELTA, dq_offset, dk_offset, dv_offset,
               stride_qb, stride_qh, stride_qn, stride_kb, stride_kh, stride_kn,
               stride_vb, stride_vh, stride_vn, stride_dob, stride_doh, stride_don,
               stride_dqb, stride_dqh, stride_dqn, stride_dkb, stride_dkh, stride_dkn, stride_dvb, stride_dvh, stride_dvn,
               H, N_Q, N_K, qk_scale, sm_scale,
               IS_CAUSAL: tl.constexpr, HEAD_DIM: tl.constexpr, HEADS_FIRST: tl.constexpr,
-              BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr, DKDV_BLOCK_M: tl.constexpr, USE_TMA: tl.constexpr,
-              DQ_BY_ATOMICS: tl.constexpr):
+              BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr, DKDV_BLOCK_M: tl.constexpr, USE_TMA: tl.constexpr):
     """dQ, dK and dV are written into one tensor, GRADS, from element offsets dq_offset,
     dk_offset and dv_offset (flash_backward says why). Key tiles have BLOCK_N rows in both jobs.
     Query tiles: BLOCK_M rows where a dQ program holds one, DKDV_BLOCK_M rows where a dK/dV
-    program streams them (each job has its best). With DQ_BY_ATOMICS (and USE_TMA) the grid has
-    dK/dV programs only, which add dQ into DQ_SUMS, (B, H, N_Q, HEAD_DIM) contiguous float32;
-    otherwise DQ_SUMS is not read."""
+    program streams them (each job has its best)."""
     tile, bh, tiles = program_tile_and_head(HEADS_FIRST)
     qk_scale, sm_scale = tl.cast(qk_scale, tl.float32), tl.cast(sm_scale, tl.float32)  # Inductor: float64
     dQ, dK, dV = GRADS + dq_offset, GRADS + dk_offset, GRADS + dv_offset
@@ -163,11 +118,29 @@ def _attn_bwd(Q, K, V, dO, GRADS, DQ_SUMS, LSE, DELTA, dq_offset, dk_offset, dv_
     key_tiles = tl.cdiv(N_K, BLOCK_N)
 
     if tile < key_tiles:
-        _dkdv_program(Q, dO, dK, dV, DQ_SUMS, K, V, LSE, DELTA, tile, bh, H, N_Q, N_K, qk_scale, sm_scale,
-                      stride_qb, stride_qh, stride_qn, stride_kn, stride_vn, stride_dob, stride_doh, stride_don,
-                      stride_dkb, stride_dkh, stride_dkn, stride_dvb, stride_dvh, stride_dvn,
-                      IS_CAUSAL, HEAD_DIM, BLOCK_N, DKDV_BLOCK_M, USE_TMA, DQ_BY_ATOMICS)
-    elif not DQ_BY_ATOMICS:  # with atomics the grid has key-tile programs only, and the kernel no dQ job
+        # dK, dV of key tile `tile`. Causal: tile 0 is seen by every query tile, so the
+        # programs with the most work start first.
+        # (Triton needs a name to keep one type in both branches: hence streamed_q, not q_matrix.)
+        start_n = tile * BLOCK_N
+        streamed_q = head_matrix(Q, bh, H, stride_qb, stride_qh, stride_qn, N_Q, HEAD_DIM, DKDV_BLOCK_M, USE_TMA)
+        streamed_do = head_matrix(dO, bh, H, stride_dob, stride_doh, stride_don, N_Q, HEAD_DIM, DKDV_BLOCK_M, USE_TMA)
+        dk_matrix = head_matrix(dK, bh, H, stride_dkb, stride_dkh, stride_dkn, N_K, HEAD_DIM, BLOCK_N, USE_TMA)
+        dv_matrix = head_matrix(dV, bh, H, stride_dvb, stride_dvh, stride_dvn, N_K, HEAD_DIM, BLOCK_N, USE_TMA)
+        cols = start_n + tl.arange(0, BLOCK_N)
+        k_tile = load_tile(K, start_n, N_K, stride_kn, BLOCK_N, HEAD_DIM, USE_TMA)  # keys past N_K: zeros, never stored
+        v_tile = load_tile(V, start_n, N_K, stride_vn, BLOCK_N, HEAD_DIM, USE_TMA)
+        dk = tl.zeros([BLOCK_N, HEAD_DIM], dtype=tl.float32)
+        dv = tl.zeros([BLOCK_N, HEAD_DIM], dtype=tl.float32)
+        start_m, unmasked_start = query_tile_bounds(start_n, N_Q, IS_CAUSAL, DKDV_BLOCK_M, BLOCK_N)
+        dk, dv = _dkdv_query_tiles(dk, dv, k_tile, v_tile, streamed_q, streamed_do, stride_qn, stride_don, LSE, DELTA,
+                                   start_m, unmasked_start, cols, N_Q, N_K, qk_scale, True, IS_CAUSAL, HEAD_DIM,
+                                   DKDV_BLOCK_M, USE_TMA)
+        dk, dv = _dkdv_query_tiles(dk, dv, k_tile, v_tile, streamed_q, streamed_do, stride_qn, stride_don, LSE, DELTA,
+                                   unmasked_start, N_Q, cols, N_Q, N_K, qk_scale, False, IS_CAUSAL, HEAD_DIM,
+                                   DKDV_BLOCK_M, USE_TMA)
+        store_tile(dk_matrix, start_n, N_K, stride_dkn, dk * sm_scale, BLOCK_N, HEAD_DIM, USE_TMA)
+        store_tile(dv_matrix, start_n, N_K, stride_dvn, dv, BLOCK_N, HEAD_DIM, USE_TMA)
+    else:
         # dQ of a query tile, in the forward's order among the query-tile programs.
         start_m = query_tile_start(tile - key_tiles, tiles - key_tiles, IS_CAUSAL, BLOCK_M)
         q_matrix = head_matrix(Q, bh, H, stride_qb, stride_qh, stride_qn, N_Q, HEAD_DIM, BLOCK_M, USE_TMA)
@@ -211,23 +184,6 @@ DELTA_CONFIG = triton.Config({"BLOCK_M": 64}, num_warps=4)
 
 _attn_bwd_tuned = TunedKernel(_attn_bwd, BACKWARD_CONFIGS, backward_smem_rows)
 _attn_bwd_delta_launch = TunedKernel(_attn_bwd_delta, [DELTA_CONFIG], smem_rows=None)
-
-# Where adding dQ up with atomics measured faster than the split on the H200 (full attention from
-# 4,096 tokens; causal, with half the tile pairs, from twice that), and its best config there
-# (64-row query and key tiles, 3 stages, TMA; BLOCK_M, the dQ job's, goes unused).
-ATOMIC_DQ_HEAD_DIM = 64
-ATOMIC_DQ_MIN_TOKENS = 4096
-ATOMIC_DQ_CONFIG = triton.Config({"BLOCK_M": 64, "BLOCK_N": 64, "DKDV_BLOCK_M": 64, "USE_TMA": True}, num_warps=4,
-                                 num_stages=3)
-
-
-def dq_by_atomics(q, k, is_causal):
-    """Whether flash_backward adds dQ up with atomics: 16-bit, head dim ATOMIC_DQ_HEAD_DIM, at least
-    ATOMIC_DQ_MIN_TOKENS queries and keys (twice that when causal), on a card with TMA, not in the
-    interpreter (flash_backward also keeps the split for a traced call or a given config)."""
-    min_tokens = ATOMIC_DQ_MIN_TOKENS * (2 if is_causal else 1)
-    return (q.dtype in (torch.bfloat16, torch.float16) and q.shape[-1] == ATOMIC_DQ_HEAD_DIM
-            and min(q.shape[2], k.shape[2]) >= min_tokens and not INTERPRETING and has_tma(q.device))
 
 
 def gradient_views(grads, q, k, v):
@@ -273,26 +229,15 @@ def flash_backward(q, k, v, o, do, lse, is_causal, out=None, config=None):
                            HEADS_FIRST=heads_go_first)
 
     sm_scale = D ** -0.5
-    atomics = config is None and not traced(q) and dq_by_atomics(q, k, is_causal)
-    # With atomics, the dK/dV programs add dQ into float32 sums, each head's rows together;
-    # without, the kernel reads no sums and any float32 tensor stands in (lse).
-    dq_sums = torch.zeros((B, H, N_Q, D), dtype=torch.float32, device=q.device) if atomics else lse
     offsets = (t.storage_offset() - grads.storage_offset() for t in (dq, dk, dv))
-    args = (q, k, v, do, grads, dq_sums, lse, delta, *offsets, *q.stride()[:3], *k.stride()[:3], *v.stride()[:3],
+    args = (q, k, v, do, grads, lse, delta, *offsets, *q.stride()[:3], *k.stride()[:3], *v.stride()[:3],
             *do.stride()[:3], *dq.stride()[:3], *dk.stride()[:3], *dv.stride()[:3], H, N_Q, N_K, sm_scale * LOG2_E,
             sm_scale)
-    constexprs = dict(IS_CAUSAL=is_causal, HEAD_DIM=D, HEADS_FIRST=heads_go_first, DQ_BY_ATOMICS=atomics)
-    if atomics:  # the key-tile programs alone
-        _attn_bwd[program_grid(triton.cdiv(N_K, ATOMIC_DQ_CONFIG.kwargs["BLOCK_N"]), B * H,
-                                             heads_go_first)](
-            *args, **constexprs, **ATOMIC_DQ_CONFIG.all_kwargs())
-        dq.copy_(dq_sums)
-        return dq, dk, dv
     # The key-tile programs first, then the query-tile programs (see _attn_bwd).
     grid = lambda meta: program_grid(triton.cdiv(N_K, meta["BLOCK_N"]) + triton.cdiv(N_Q, meta["BLOCK_M"]), B * H,
                                      heads_go_first)
     if config is None:
-        _attn_bwd_tuned(grid, key, *args, **constexprs)
+        _attn_bwd_tuned(grid, key, *args, IS_CAUSAL=is_causal, HEAD_DIM=D, HEADS_FIRST=heads_go_first)
     else:
-        _attn_bwd[grid](*args, **constexprs, **config.all_kwargs())
+        _attn_bwd[grid](*args, IS_CAUSAL=is_causal, HEAD_DIM=D, HEADS_FIRST=heads_go_first, **config.all_kwargs())
     return dq, dk, dv

@@ -16,12 +16,11 @@ import torch
 
 from attention import (BACKENDS, FlashAttentionPytorch, attention, packed_attention, triton_attention,
                        triton_fwd_attention)
-from attention import gluon_forward, triton_backward, triton_launch
+from attention import gluon_forward, triton_launch
 from attention.eager import eager_attention_with_lse
 from attention.inputs import unpack_heads
 from attention.tiled import tiled_forward
-from attention.triton_backward import (ATOMIC_DQ_HEAD_DIM, ATOMIC_DQ_MIN_TOKENS, BACKWARD_CONFIGS, backward_smem_rows,
-                                       dq_by_atomics, flash_backward)
+from attention.triton_backward import BACKWARD_CONFIGS, backward_smem_rows, flash_backward
 from attention.triton_forward import FORWARD_CONFIGS, flash_forward, forward_smem_rows
 from attention.triton_launch import TunedKernel, TuningKey, descriptor_ready, prune_configs
 from training.train_config import TrainConfig
@@ -552,22 +551,6 @@ def test_warp_specialized_forward_serves_only_compiled_hopper_kernels():
     assert not gluon_forward.serves(q, q)
 
 
-def test_atomic_dq_backward_serves_only_compiled_kernels_on_tma_cards(monkeypatch):
-    """The TMA reduce that adds dQ up has no interpreter path: on the CPU flash_backward keeps
-    the split backward even at the shape where a TMA card adds dQ with atomics. On such a card
-    the rule takes full attention from ATOMIC_DQ_MIN_TOKENS tokens, causal from twice that."""
-    q = torch.randn(1, 1, 2 * ATOMIC_DQ_MIN_TOKENS, ATOMIC_DQ_HEAD_DIM, dtype=torch.bfloat16)
-    assert not dq_by_atomics(q, q, is_causal=False)
-    monkeypatch.setattr(triton_backward, "INTERPRETING", False)
-    monkeypatch.setattr(triton_backward, "has_tma", lambda device: True)
-    full, causal = q[:, :, :ATOMIC_DQ_MIN_TOKENS], q
-    assert dq_by_atomics(full, full, is_causal=False) and not dq_by_atomics(full, full, is_causal=True)
-    assert dq_by_atomics(causal, causal, is_causal=True)
-    assert not dq_by_atomics(full[:, :, :-1], full, is_causal=False)
-    assert not dq_by_atomics(full.float(), full.float(), is_causal=False)
-    assert not dq_by_atomics(full[..., :32], full[..., :32], is_causal=False)
-
-
 # ---------------------------------------------------------------- GPU (run on the H200)
 
 @gpu
@@ -656,46 +639,6 @@ def test_gpu_warp_specialized_forward_in_the_packed_path(is_causal):
                       dtype=torch.bfloat16, generator=torch.Generator(device="cuda").manual_seed(17))
     q, k, _ = (t.transpose(1, 2) for t in qkv.unbind(2))
     assert gluon_forward.serves(q, k)
-    check_packed("triton", qkv.requires_grad_(), is_causal, GPU_TOLERANCE[torch.bfloat16])
-
-
-def force_atomic_dq(monkeypatch):
-    """flash_backward adds dQ up with atomics at every length (a test's shapes stay small)."""
-    if not triton_launch.has_tma(torch.device("cuda")):
-        pytest.skip("dQ is added up with atomics on cards with TMA only")
-    monkeypatch.setattr(triton_backward, "dq_by_atomics", lambda q, k, is_causal: True)
-
-
-@gpu
-@pytest.mark.parametrize("dtype", [torch.bfloat16, torch.float16])
-@pytest.mark.parametrize("is_causal", [False, True])
-@pytest.mark.parametrize("n_q,n_k", [(4097, 4097), (4096, 5003), (6001, 4100)])
-def test_gpu_backward_with_atomic_dq(n_q, n_k, is_causal, dtype, monkeypatch):
-    """flash_backward adding dQ up with TMA atomics (which it does at head dim 64 on a card with
-    TMA, from ATOMIC_DQ_MIN_TOKENS queries and keys, twice that causal; here forced at those
-    lengths for causal too): dQ, dK, dV against float64, on views of one projection when
-    N_q = N_k, and the same twice over (the float32 sums start from zero each call)."""
-    force_atomic_dq(monkeypatch)
-    B, H, D = 2, 3, ATOMIC_DQ_HEAD_DIM
-    g = torch.Generator(device="cuda").manual_seed(n_q + n_k)
-    q, k, v = gpu_qkv(B, H, n_q, n_k, D, dtype, g)
-    do = torch.randn(q.shape, device="cuda", dtype=dtype, generator=g)
-    o, lse = flash_forward(q, k, v, is_causal)
-    _, _, dq_ref, dk_ref, dv_ref = reference(q, k, v, is_causal, do)
-    for _ in range(2):
-        dq, dk, dv = flash_backward(q, k, v, o, do, lse, is_causal)
-        for name, got, ref in (("dQ", dq, dq_ref), ("dK", dk, dk_ref), ("dV", dv, dv_ref)):
-            assert_close(got, ref, GPU_TOLERANCE[dtype], name)
-
-
-@gpu
-@pytest.mark.parametrize("is_causal", [False, True])
-def test_gpu_backward_with_atomic_dq_in_the_packed_path(is_causal, monkeypatch):
-    """The model's route (packed_attention: d(qkv) written whole, with (B, N, H, D) strides)
-    with dQ added up with atomics, against float64."""
-    force_atomic_dq(monkeypatch)
-    qkv = torch.randn(1, ATOMIC_DQ_MIN_TOKENS + 3, 3, 2, ATOMIC_DQ_HEAD_DIM, device="cuda", dtype=torch.bfloat16,
-                      generator=torch.Generator(device="cuda").manual_seed(23))
     check_packed("triton", qkv.requires_grad_(), is_causal, GPU_TOLERANCE[torch.bfloat16])
 
 

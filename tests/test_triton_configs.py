@@ -1,7 +1,6 @@
 """Every tile config the code can pick on the 12 GB target card (RTX 4070 Super, sm_89) fits
 its 99 KB of shared memory, and every kernel compiles for sm_89 and for Hopper (sm_90, TMA),
-the Hopper-only Gluon forward (attention/gluon_forward.py) and the backward that adds dQ with
-TMA atomics included.
+the Hopper-only Gluon forward (attention/gluon_forward.py) included.
 
 Triton compiles for a GPU target without a GPU; the compiler reports the shared memory each
 kernel allocates. The prune in attention/triton_launch.py keeps a config when its estimate
@@ -24,7 +23,7 @@ pytestmark = pytest.mark.xdist_group("triton_configs")
 HEAD_DIMS = (16, 32, 64, 128)
 HOPPER_SHARED_MEMORY_BYTES = 232448  # the H100's and H200's most per block
 TENSOR_POINTERS = {"Q", "K", "V", "O", "dO", "GRADS"}
-FLOAT32_POINTERS = {"LSE", "DELTA", "DQ_SUMS"}
+FLOAT32_POINTERS = {"LSE", "DELTA"}
 ELEMENT_TYPES = {"bf16": 2, "fp32": 4}
 
 
@@ -54,21 +53,18 @@ def compile_for(kernel, element_type, constexprs, capability, num_warps, num_sta
 def measure():
     """Compile every config for sm_90; for each cp.async config, also compile for sm_89 at the
     largest head dim the estimate admits per element size, and report the compiler's shared
-    memory. Then the Hopper-only kernels for sm_90, with their shared memory: the Gluon forward
-    and the backward with dQ by atomics."""
+    memory. Then the Gluon forward for sm_90, with its shared memory."""
     from attention.gluon_forward import CONFIG, SERVED_HEAD_DIM, _attn_fwd_warp_specialized
-    from attention.triton_backward import (ATOMIC_DQ_CONFIG, ATOMIC_DQ_HEAD_DIM, BACKWARD_CONFIGS, _attn_bwd,
-                                           backward_smem_rows)
+    from attention.triton_backward import BACKWARD_CONFIGS, _attn_bwd, backward_smem_rows
     from attention.triton_launch import shared_memory_bytes
     from attention.triton_forward import FORWARD_CONFIGS, _attn_fwd, forward_smem_rows
 
     results = []
-    for kernel, configs, smem_rows, flags in ((_attn_fwd, FORWARD_CONFIGS, forward_smem_rows, {}),
-                                              (_attn_bwd, BACKWARD_CONFIGS, backward_smem_rows,
-                                               dict(DQ_BY_ATOMICS=False))):
+    for kernel, configs, smem_rows in ((_attn_fwd, FORWARD_CONFIGS, forward_smem_rows),
+                                       (_attn_bwd, BACKWARD_CONFIGS, backward_smem_rows)):
         for config in configs:
-            compile_for(kernel, "bf16", dict(config.kwargs, IS_CAUSAL=True, HEAD_DIM=128, HEADS_FIRST=True, **flags),
-                        90, config.num_warps, config.num_stages)
+            compile_for(kernel, "bf16", dict(config.kwargs, IS_CAUSAL=True, HEAD_DIM=128, HEADS_FIRST=True), 90,
+                        config.num_warps, config.num_stages)
             if config.kwargs["USE_TMA"]:  # pruned on cards without TMA
                 continue
             for element_type, size in ELEMENT_TYPES.items():
@@ -76,7 +72,7 @@ def measure():
                             if shared_memory_bytes(config, smem_rows, d, size) <= ADA_SHARED_MEMORY_BYTES]
                 if not admitted:
                     continue
-                constexprs = dict(config.kwargs, IS_CAUSAL=True, HEAD_DIM=max(admitted), HEADS_FIRST=True, **flags)
+                constexprs = dict(config.kwargs, IS_CAUSAL=True, HEAD_DIM=max(admitted), HEADS_FIRST=True)
                 compiled = compile_for(kernel, element_type, constexprs, 89, config.num_warps, config.num_stages)
                 results.append(dict(kernel=kernel.__name__, config=str(config), element_type=element_type,
                                     head_dim=max(admitted), shared=compiled.metadata.shared))
@@ -85,15 +81,7 @@ def measure():
         compiled = compile_for(_attn_fwd_warp_specialized, "bf16",
                                dict(CONFIG, IS_CAUSAL=is_causal, HEAD_DIM=SERVED_HEAD_DIM), 90, 4, 1, gluon=True)
         hopper.append(dict(is_causal=is_causal, shared=compiled.metadata.shared))
-    atomics = []
-    for is_causal in (False, True):
-        compiled = compile_for(_attn_bwd, "bf16", dict(ATOMIC_DQ_CONFIG.kwargs, IS_CAUSAL=is_causal,
-                                                       HEAD_DIM=ATOMIC_DQ_HEAD_DIM, HEADS_FIRST=False,
-                                                       DQ_BY_ATOMICS=True),
-                               90, ATOMIC_DQ_CONFIG.num_warps, ATOMIC_DQ_CONFIG.num_stages)
-        atomics.append(dict(is_causal=is_causal, shared=compiled.metadata.shared,
-                            tma_reduce="cp.reduce.async.bulk.tensor" in compiled.asm["ptx"]))
-    return dict(ada=results, hopper_gluon=hopper, hopper_atomic_dq=atomics)
+    return dict(ada=results, hopper_gluon=hopper)
 
 
 @pytest.fixture(scope="module")
@@ -127,14 +115,6 @@ def test_gluon_forward_compiles_for_hopper(compiled):
     assert [r["is_causal"] for r in compiled["hopper_gluon"]] == [False, True]
     for r in compiled["hopper_gluon"]:
         assert r["shared"] <= HOPPER_SHARED_MEMORY_BYTES, r
-
-
-def test_backward_with_atomic_dq_compiles_for_hopper(compiled):
-    """The backward that adds dQ up with atomics compiles for sm_90, causal and not, within
-    Hopper's shared memory, and the adds are TMA reductions (cp.reduce.async.bulk.tensor)."""
-    assert [r["is_causal"] for r in compiled["hopper_atomic_dq"]] == [False, True]
-    for r in compiled["hopper_atomic_dq"]:
-        assert r["shared"] <= HOPPER_SHARED_MEMORY_BYTES and r["tma_reduce"], r
 
 
 if __name__ == "__main__":
