@@ -179,9 +179,11 @@ def program_grid(tiles, batch_heads, heads_first):
 
 
 class TuningKey(NamedTuple):
-    """What changes a kernel's fastest config: the lengths (as power-of-two buckets of at least
-    16, so a KV cache that grows by one token a step does not re-tune at every step), head dim,
-    mask and dtype."""
+    """What changes a kernel's fastest config: the number of (batch, head) pairs, which with the
+    lengths sets how many programs the grid has to fill the GPU with; the lengths (as
+    power-of-two buckets of at least 16, so a KV cache that grows by one token a step does not
+    re-tune at every step); head dim, mask and dtype. (B * H is bucketed by powers of two too.)"""
+    batch_heads: int
     n_q: int
     n_k: int
     head_dim: int
@@ -190,10 +192,10 @@ class TuningKey(NamedTuple):
 
 
 def tuning_key(q, k, is_causal):
-    _, _, n_q, head_dim = q.shape
+    batch, heads, n_q, head_dim = q.shape
     n_k = k.shape[2]
-    return TuningKey(1 << max(n_q - 1, 15).bit_length(), 1 << max(n_k - 1, 15).bit_length(), head_dim, is_causal,
-                     q.dtype)
+    return TuningKey(1 << max(batch * heads - 1, 0).bit_length(), 1 << max(n_q - 1, 15).bit_length(),
+                     1 << max(n_k - 1, 15).bit_length(), head_dim, is_causal, q.dtype)
 
 
 def shared_memory_limit(device):

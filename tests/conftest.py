@@ -6,11 +6,13 @@ signals are the real ones.
 import os
 import subprocess
 import sys
+import tempfile
 from pathlib import Path
 
 import pytest
 import torch
 
+from attention.triton_launch import TUNING_CACHE_ENV
 from data.shakespeare.prepare import use_shared_data
 
 REPO = Path(__file__).resolve().parent.parent
@@ -18,6 +20,11 @@ REPO = Path(__file__).resolve().parent.parent
 # The scripts' rule for offline data (see prepare.py): the variables CI sets, else shared/data
 # beside the repo. Applied here too, for the tests that use tiktoken without prepare().
 use_shared_data()
+
+# The kernels' tuning choices the tests make (at their own small shapes), and those of the scripts
+# they run, go to a folder of the test run's, not to the user's tuning cache, where a later run at
+# the same tuning key would take them without timing.
+os.environ[TUNING_CACHE_ENV] = tempfile.mkdtemp(prefix="nanofa2-test-tuning-")
 
 
 def share_the_cores_among_the_workers():

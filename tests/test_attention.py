@@ -22,7 +22,7 @@ from attention.inputs import unpack_heads
 from attention.tiled import tiled_forward
 from attention.triton_backward import BACKWARD_CONFIGS, backward_smem_rows, flash_backward
 from attention.triton_forward import FORWARD_CONFIGS, flash_forward, forward_smem_rows
-from attention.triton_launch import TunedKernel, TuningKey, descriptor_ready, prune_configs
+from attention.triton_launch import TunedKernel, TuningKey, descriptor_ready, prune_configs, tuning_key
 from training.train_config import TrainConfig
 
 import triton  # noqa: E402, I001  (after attention, which decides whether Triton interprets)
@@ -213,7 +213,7 @@ def test_tuned_kernel_reuses_a_compiled_kernel_only_for_the_same_launch():
     tuned = TunedKernel(kernel, [triton.Config({"BLOCK_M": 16, "BLOCK_N": 16, "USE_TMA": False})], lambda config: [(0, 0)])
     x = torch.randn(64, 16)
     grid = lambda meta: (64 // meta["BLOCK_M"], 1)
-    key = TuningKey(64, 64, 16, True, torch.float32)
+    key = TuningKey(1, 64, 64, 16, True, torch.float32)
     tuned(grid, key, x, 64)                            # the first launch: full
     tuned(grid, key, torch.randn(64, 16), 64)          # the same launch on other data: direct
     tuned(grid, key, x, 32)                            # another scalar: full
@@ -223,6 +223,17 @@ def test_tuned_kernel_reuses_a_compiled_kernel_only_for_the_same_launch():
         ["full", "direct", "full", "full", "full"]
     _, grid_size, args = kernel.launches[1]
     assert grid_size == (4, 1, 1) and args[1:] == (64, 16)  # the scalar, then the constexpr BLOCK_M
+
+
+def test_tuning_key_buckets_the_heads_and_lengths():
+    """Lengths in power-of-two buckets (a growing KV cache keeps its key), and so the number of
+    (batch, head) pairs: a grid of a few heads and one of hundreds at the same lengths get
+    choices of their own (a config best for one can be far from best for the other)."""
+    def key(batch, heads, n_q, n_k):
+        return tuning_key(torch.empty(batch, heads, n_q, 16), torch.empty(batch, heads, n_k, 16), True)
+    assert key(1, 3, 17, 100) == key(2, 2, 32, 128) == TuningKey(4, 32, 128, 16, True, torch.float32)
+    assert key(1, 1, 1, 1) == TuningKey(1, 16, 16, 16, True, torch.float32)
+    assert key(4, 16, 4096, 4096) != key(2, 3, 4096, 4096)
 
 
 TIMING_CONFIGS = [triton.Config({"BLOCK_M": m, "BLOCK_N": n, "USE_TMA": False}, num_warps=4, num_stages=2)
@@ -249,7 +260,7 @@ def timed_configs(tmp_path, monkeypatch):
 
 def test_tuning_is_persisted_and_a_second_process_does_not_tune(timed_configs, tmp_path):
     x, grid = torch.randn(64, 16), lambda meta: (1, 1)
-    key = TuningKey(128, 128, 16, True, torch.float32)
+    key = TuningKey(1, 128, 128, 16, True, torch.float32)
     first = TunedKernel(FakeKernel(), TIMING_CONFIGS, lambda config: [(0, 0)])
     first(grid, key, x, 64)
     first(grid, key, x, 64)
@@ -265,9 +276,9 @@ def test_tuning_is_persisted_and_a_second_process_does_not_tune(timed_configs, t
     second(grid, key, x, 64)
     assert second.tunings == 0 and len(timed_configs) == 3 and FakeKernel.last_config["BLOCK_M"] == 32
     # A short sequence does not time tiles longer than itself.
-    second(grid, TuningKey(16, 16, 16, True, torch.float32), x, 64)
+    second(grid, TuningKey(1, 16, 16, 16, True, torch.float32), x, 64)
     assert second.tunings == 0 and FakeKernel.last_config["BLOCK_M"] == 16  # the only candidate left
-    second(grid, TuningKey(32, 64, 16, True, torch.float32), x, 64)
+    second(grid, TuningKey(1, 32, 64, 16, True, torch.float32), x, 64)
     assert second.tunings == 1 and timed_configs[3:] == [16, 32]
     assert len(json.loads(path.read_text())) == 2  # both choices kept
 
@@ -275,7 +286,7 @@ def test_tuning_is_persisted_and_a_second_process_does_not_tune(timed_configs, t
 def test_tuning_never_times_inside_a_cuda_graph_capture(timed_configs, monkeypatch):
     monkeypatch.setattr(triton_launch, "capturing", lambda device: True)
     tuned = TunedKernel(FakeKernel(), TIMING_CONFIGS, lambda config: [(0, 0)])
-    tuned(lambda meta: (1, 1), TuningKey(64, 64, 16, True, torch.float32), torch.randn(64, 16), 64)
+    tuned(lambda meta: (1, 1), TuningKey(1, 64, 64, 16, True, torch.float32), torch.randn(64, 16), 64)
     assert tuned.tunings == 0 and timed_configs == [] and tuned.kernel.launches == ["full"]
     assert FakeKernel.last_config["BLOCK_M"] == 16  # the first candidate
 
@@ -301,7 +312,7 @@ def test_a_traced_launch_is_tuned_on_real_stand_ins_and_recorded(timed_configs, 
     monkeypatch.setattr(torch.library, "wrap_triton", Recorder)
     monkeypatch.setattr(FakeKernel, "warmup", lambda self, *args, grid, **kwargs: timed_on.append((args, grid(kwargs))))
     new_kernel = lambda: TunedKernel(FakeKernel(), TIMING_CONFIGS, lambda config: [(0, 0)])
-    grid, key = lambda meta: (128 // meta["BLOCK_M"], 1), TuningKey(128, 128, 16, True, torch.float32)
+    grid, key = lambda meta: (128 // meta["BLOCK_M"], 1), TuningKey(1, 128, 128, 16, True, torch.float32)
     x = torch.randn(80, 16)[8:72]  # a view: offset 128, strides (16, 1)
     with FakeTensorMode() as mode:
         fake_x = mode.from_tensor(x)
@@ -317,15 +328,15 @@ def test_a_traced_launch_is_tuned_on_real_stand_ins_and_recorded(timed_configs, 
         dynamic_x = mode.from_tensor(x)
     rows = dynamic_x.shape[0]  # a symbol, whose hint is 64
     symbolic_grid = lambda meta: (2 * rows // meta["BLOCK_M"], 1)
-    new_kernel()(symbolic_grid, TuningKey(2 * rows, 2 * rows, 16, True, torch.float32), dynamic_x, rows)
+    new_kernel()(symbolic_grid, TuningKey(1, 2 * rows, 2 * rows, 16, True, torch.float32), dynamic_x, rows)
     assert isinstance(rows, torch.SymInt) and recorded[2][1] == 32 and len(timed_configs) == 3  # the saved choice
     assert isinstance(recorded[2][0][0], torch.SymInt)
-    new_kernel()(symbolic_grid, TuningKey(rows, rows, 16, True, torch.float32), dynamic_x, rows)  # a new key: tuned
+    new_kernel()(symbolic_grid, TuningKey(1, rows, rows, 16, True, torch.float32), dynamic_x, rows)  # a new key: tuned
     assert timed_configs[3:] == [16, 32, 64] and recorded[3][1] == 32
     (stand_in, n), example_grid = timed_on[-1]
     assert type(stand_in) is torch.Tensor and stand_in.shape == (64, 16) and n == 64 and example_grid == (2, 1)
     one_config = triton.Config({"BLOCK_M": 64}, num_warps=2)  # a kernel with one config: nothing to choose
-    TunedKernel(FakeKernel(), [one_config], None)(symbolic_grid, TuningKey(rows, rows, 16, True, torch.float32),
+    TunedKernel(FakeKernel(), [one_config], None)(symbolic_grid, TuningKey(1, rows, rows, 16, True, torch.float32),
                                                   dynamic_x, rows)
     assert recorded[4][1:] == (64, 2) and len(timed_configs) == 6
 
