@@ -95,7 +95,8 @@ def _dq_key_tiles(dq, q_tile, do_tile, lse, delta, K, V, stride_kn, stride_vn, s
 
 # Compiled for the lengths (Triton specialises an integer on being 1 or divisible by 16, so a
 # few binaries at most): faster at every paper shape than with N_Q and N_K unspecialised, as the
-# forward keeps them, which specialising did not speed up (docs/optimisation.md, "dQ by atomic adds").
+# forward keeps them, which specialising did not speed up (docs/optimisation.md, "Session 19: the
+# split compiled for the lengths").
 @triton.jit
 def _attn_bwd(Q, K, V, dO, GRADS, LSE, DELTA, dq_offset, dk_offset, dv_offset,
               stride_qb, stride_qh, stride_qn, stride_kb, stride_kh, stride_kn,
