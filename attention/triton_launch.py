@@ -179,10 +179,10 @@ def program_grid(tiles, batch_heads, heads_first):
 
 
 class TuningKey(NamedTuple):
-    """What changes a kernel's fastest config: the number of (batch, head) pairs, which with the
-    lengths sets how many programs the grid has to fill the GPU with; the lengths (as
-    power-of-two buckets of at least 16, so a KV cache that grows by one token a step does not
-    re-tune at every step); head dim, mask and dtype. (B * H is bucketed by powers of two too.)"""
+    """What changes a kernel's fastest config, the counts in power-of-two buckets: the number of
+    (batch, head) pairs, which with the lengths sets how many programs the grid fills the GPU
+    with; the lengths (buckets of at least 16, so a KV cache that grows by one token a step does
+    not re-tune at every step); head dim, mask and dtype."""
     batch_heads: int
     n_q: int
     n_k: int

@@ -1,9 +1,12 @@
-"""Shared test setup: offline data, a prepared data folder, and running the scripts.
+"""Shared test setup: offline data, a tuning cache of the test run's own, a prepared data folder, and
+running the scripts.
 
 The scripts are run as subprocesses, as a user runs them, so exit codes, messages and
 signals are the real ones.
 """
+import atexit
 import os
+import shutil
 import subprocess
 import sys
 import tempfile
@@ -25,6 +28,7 @@ use_shared_data()
 # they run, go to a folder of the test run's, not to the user's tuning cache, where a later run at
 # the same tuning key would take them without timing.
 os.environ[TUNING_CACHE_ENV] = tempfile.mkdtemp(prefix="nanofa2-test-tuning-")
+atexit.register(shutil.rmtree, os.environ[TUNING_CACHE_ENV], ignore_errors=True)
 
 
 def share_the_cores_among_the_workers():
