@@ -610,16 +610,6 @@ def test_gpu_every_tile_config_is_correct(head_dim, is_causal, dtype, heads_firs
             assert_close(got, ref, tol, f"{name} with {config}")
 
 
-def gpu_qkv(B, H, n_q, n_k, D, dtype, generator):
-    """q, k, v (B, H, N, D) on the GPU: views of one (B, N, 3, H, D) projection when n_q = n_k,
-    as the model makes them; else three tensors."""
-    if n_q == n_k:
-        qkv = torch.randn(B, n_q, 3, H, D, device="cuda", dtype=dtype, generator=generator)
-        return [qkv[:, :, i].transpose(1, 2) for i in range(3)]
-    q = torch.randn(B, H, n_q, D, device="cuda", dtype=dtype, generator=generator)
-    return [q, *(torch.randn(B, H, n_k, D, device="cuda", dtype=dtype, generator=generator) for _ in range(2))]
-
-
 @gpu
 @pytest.mark.parametrize("dtype", [torch.bfloat16, torch.float16])
 @pytest.mark.parametrize("is_causal", [False, True])
@@ -631,7 +621,12 @@ def test_gpu_warp_specialized_forward(n_q, n_k, is_causal, dtype):
         pytest.skip("the warp-specialised forward is Hopper's")
     B, H, D = 2, 3, 128
     g = torch.Generator(device="cuda").manual_seed(n_q + n_k)
-    q, k, v = gpu_qkv(B, H, n_q, n_k, D, dtype, g)
+    if n_q == n_k:
+        qkv = torch.randn(B, n_q, 3, H, D, device="cuda", dtype=dtype, generator=g)
+        q, k, v = (qkv[:, :, i].transpose(1, 2) for i in range(3))
+    else:
+        q = torch.randn(B, H, n_q, D, device="cuda", dtype=dtype, generator=g)
+        k, v = (torch.randn(B, H, n_k, D, device="cuda", dtype=dtype, generator=g) for _ in range(2))
     assert gluon_forward.serves(q, k)
     o, lse = flash_forward(q, k, v, is_causal)
     o_ref, lse_ref = eager_attention_with_lse(q.double(), k.double(), v.double(), is_causal)
