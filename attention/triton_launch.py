@@ -191,11 +191,15 @@ class TuningKey(NamedTuple):
     dtype: torch.dtype
 
 
+def power_of_two_bucket(n, at_least=1):
+    """The smallest power of two >= n, and >= at_least (a power of two)."""
+    return 1 << max(n - 1, at_least - 1).bit_length()
+
+
 def tuning_key(q, k, is_causal):
     batch, heads, n_q, head_dim = q.shape
-    n_k = k.shape[2]
-    return TuningKey(1 << max(batch * heads - 1, 0).bit_length(), 1 << max(n_q - 1, 15).bit_length(),
-                     1 << max(n_k - 1, 15).bit_length(), head_dim, is_causal, q.dtype)
+    return TuningKey(power_of_two_bucket(batch * heads), power_of_two_bucket(n_q, 16),
+                     power_of_two_bucket(k.shape[2], 16), head_dim, is_causal, q.dtype)
 
 
 def shared_memory_limit(device):
