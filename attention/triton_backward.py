@@ -169,21 +169,34 @@ def backward_smem_rows(config):
 
 
 # (dQ's query tile, key tile, dK/dV's query tile, num_warps, num_stages, TMA) the tuner chooses
-# among, best first: on the H200 the first was the fastest at D=64 from the model's short
-# sequences to the paper's causal ones, the second at D=128, the third at long full D=64
-# (docs/benchmarks.md). The last is the one that fits sm_89 with float32 at D=128.
+# among. It times the first three that fit, so the order matters, and the best configs depend on
+# the head dim (docs/benchmarks.md, session 20). This is the order at head dims up to 64: on the
+# H200 the first was the fastest on the model's short sequences and at N = 1024, the second and
+# third on the paper's longer ones. The last is the one that fits sm_89 with float32 at D=128.
 BACKWARD_CONFIGS = [
     triton.Config({"BLOCK_M": m, "BLOCK_N": n, "DKDV_BLOCK_M": dkdv_m, "USE_TMA": tma}, num_warps=w, num_stages=s)
     for m, n, dkdv_m, w, s, tma in [
-        (64, 64, 32, 4, 2, False), (64, 64, 64, 4, 2, True), (64, 64, 32, 4, 3, True), (64, 32, 64, 4, 2, False),
-        (64, 64, 64, 4, 3, True), (64, 64, 64, 4, 2, False), (64, 32, 32, 4, 2, False), (64, 64, 64, 4, 3, False),
+        (64, 64, 32, 4, 2, False), (64, 64, 32, 4, 3, True), (64, 64, 64, 4, 3, True), (64, 64, 64, 4, 2, True),
+        (64, 32, 64, 4, 2, False), (64, 64, 64, 4, 2, False), (64, 32, 32, 4, 2, False), (64, 64, 64, 4, 3, False),
         (128, 64, 64, 8, 2, True), (64, 16, 16, 4, 2, False),
     ]
 ]
+# At wider heads these go first: 64/64/64 with TMA was the fastest at D=128 but on short
+# sequences, where 64/64/32 (causal) and 64/64/64 on cp.async (full) won.
+WIDE_HEAD_FIRST = [BACKWARD_CONFIGS[i] for i in (3, 0, 5)]
+
+
+def backward_configs(head_dim):
+    """BACKWARD_CONFIGS in the order the tuner tries them at head_dim."""
+    if head_dim <= 64:
+        return BACKWARD_CONFIGS
+    return WIDE_HEAD_FIRST + [c for c in BACKWARD_CONFIGS if c not in WIDE_HEAD_FIRST]
+
+
 # delta reads O and dO once: no config to choose (TunedKernel then just keeps the launch cheap).
 DELTA_CONFIG = triton.Config({"BLOCK_M": 64}, num_warps=4)
 
-_attn_bwd_tuned = TunedKernel(_attn_bwd, BACKWARD_CONFIGS, backward_smem_rows)
+_attn_bwd_tuned = TunedKernel(_attn_bwd, backward_configs, backward_smem_rows)
 _attn_bwd_delta_launch = TunedKernel(_attn_bwd_delta, [DELTA_CONFIG], smem_rows=None)
 
 

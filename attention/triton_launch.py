@@ -297,9 +297,9 @@ class TunedKernel:
 
     The first launch for a key takes the choice saved on disk by an earlier process
     (tuning_cache_path), or else times the first TIMED_CANDIDATES configs that fit the card and
-    the sequence (each list is ordered best first) on the real arguments, replayed from a CUDA
-    graph (each kernel writes its outputs whole, with no atomics, so running it several times is
-    harmless), and saves the winner. While torch.compile traces, the same choice is made on real
+    the sequence on the real arguments, replayed from a CUDA graph (each kernel writes its
+    outputs whole, with no atomics, so running it several times is harmless), and saves the
+    winner. While torch.compile traces, the same choice is made on real
     stand-ins for the traced tensors (traced_config). Inside a CUDA graph capture nothing is
     timed (that would sync and record the timing launches): a key met there for the first
     time, with no saved choice, keeps the first candidate for the process. `tunings` counts the
@@ -317,7 +317,10 @@ class TunedKernel:
     compiled kernel: every launch takes the long way.)"""
 
     def __init__(self, kernel, configs, smem_rows):
-        self.kernel, self.configs, self.smem_rows = kernel, configs, smem_rows
+        """configs: the kernel's configs, best first; or a function of the head dim that returns
+        them in the order that is best at that head dim."""
+        self.kernel, self.smem_rows = kernel, smem_rows
+        self.configs = configs if callable(configs) else lambda head_dim: configs
         self.best = {}  # tuning key -> config
         self.compiled = {}  # (tuning key, device, grid, scalars, constexprs) -> (launch, constexpr args)
         self.tunings = 0
@@ -348,7 +351,7 @@ class TunedKernel:
         """The configs worth timing for key: those that fit q's card (prune_configs), less those
         whose tiles are longer than the sequence (they would time mostly padding), which keeps
         the first call at a short sequence cheap."""
-        fitting = prune_configs(self.configs, q, self.smem_rows)
+        fitting = prune_configs(self.configs(key.head_dim), q, self.smem_rows)
         short = [c for c in fitting if c.kwargs["BLOCK_M"] <= key.n_q and c.kwargs["BLOCK_N"] <= key.n_k]
         if not short:
             return [min(fitting, key=lambda c: c.kwargs["BLOCK_M"] * c.kwargs["BLOCK_N"])]
@@ -382,8 +385,9 @@ class TunedKernel:
     def known_config(self, key, q):
         """The config for key that needs no timing: the kernel's only config, the only candidate,
         or the choice an earlier process saved (tuning_cache_path); None if only timing can tell."""
-        if len(self.configs) == 1:  # a kernel with one config (it needs no tuning), launched cheaply
-            return self.configs[0]
+        configs = self.configs(key.head_dim)
+        if len(configs) == 1:  # a kernel with one config (it needs no tuning), launched cheaply
+            return configs[0]
         candidates = self.candidates(key, q)
         if len(candidates) == 1:
             return candidates[0]

@@ -20,7 +20,7 @@ from attention import gluon_forward, triton_launch
 from attention.eager import eager_attention_with_lse
 from attention.inputs import unpack_heads
 from attention.tiled import tiled_forward
-from attention.triton_backward import BACKWARD_CONFIGS, backward_smem_rows, flash_backward
+from attention.triton_backward import BACKWARD_CONFIGS, backward_configs, backward_smem_rows, flash_backward
 from attention.triton_forward import FORWARD_CONFIGS, flash_forward, forward_smem_rows
 from attention.triton_launch import TunedKernel, TuningKey, descriptor_ready, prune_configs, tuning_key
 from training.train_config import TrainConfig
@@ -281,6 +281,25 @@ def test_tuning_is_persisted_and_a_second_process_does_not_tune(timed_configs, t
     second(grid, TuningKey(1, 32, 64, 16, True, torch.float32), x, 64)
     assert second.tunings == 1 and timed_configs[3:] == [16, 32]
     assert len(json.loads(path.read_text())) == 2  # both choices kept
+
+
+def test_the_configs_timed_depend_on_the_head_dim(timed_configs):
+    """Given a function of the head dim, TunedKernel times the first configs of its order for
+    the key's head dim. The backward's order: every config at every head dim, its own first
+    three above 64, and the same three cp.async configs first on cards without TMA (sm_89's
+    choice unchanged by the order)."""
+    x, grid = torch.randn(64, 16), lambda meta: (1, 1)
+    tuned = TunedKernel(FakeKernel(), lambda head_dim: TIMING_CONFIGS[::-1] if head_dim > 64 else TIMING_CONFIGS,
+                        lambda config: [(0, 0)])
+    tuned(grid, TuningKey(1, 128, 128, 64, True, torch.float32), x, 64)
+    tuned(grid, TuningKey(1, 128, 128, 128, True, torch.float32), x, 64)
+    assert timed_configs == [16, 32, 128, 64, 128, 32]
+    for head_dim in (16, 32, 64, 128):
+        order = backward_configs(head_dim)
+        assert sorted(map(id, order)) == sorted(map(id, BACKWARD_CONFIGS))
+        first_cp_async = lambda configs: {id(c) for c in [c for c in configs if not c.kwargs["USE_TMA"]][:3]}
+        assert first_cp_async(order) == first_cp_async(BACKWARD_CONFIGS)
+    assert backward_configs(64)[:3] == BACKWARD_CONFIGS[:3] != backward_configs(128)[:3]
 
 
 def test_tuning_never_times_inside_a_cuda_graph_capture(timed_configs, monkeypatch):
