@@ -1,24 +1,33 @@
-"""The FlashAttention forward for Hopper (sm_90) at head dim 128, warp-specialised, in Gluon.
+"""The FlashAttention forward for Hopper (sm_90), warp-specialised and persistent, in Gluon.
 
 triton_forward.py's kernel leaves the schedule to Triton's compiler: every warp loads, multiplies
 and computes the softmax in turn. Here the program spells it out, as FlashAttention-3 does, in
 Gluon (triton.experimental.gluon), Triton's lower-level language, where a kernel chooses its
 own layouts, shared-memory buffers, barriers and warp roles:
 
-- One program owns 2 * BLOCK_M query rows of one (batch, head), in three partitions.
-- The load partition (one warp) streams K and V tiles through TMA into a ring of STAGES
-  shared-memory slots. Each slot has three mbarriers: k_ready and v_ready (the copy landed) and
-  kv_empty (both softmax partitions are done with it).
+- The grid is one program per SM, and each program takes units of work in turn (persistent).
+  A unit is a pair of query tiles of one (batch, head), each tile 2 * BLOCK_M rows: tile t and
+  its mirror T - 1 - t. Causal, the two have T + 1 key tiles between them whatever t is, so
+  every unit is the same work and handing them out in turn keeps the programs level.
+- The load partition (one warp) loads each query tile's Q, then streams its K and V tiles
+  through TMA into a ring of STAGES shared-memory slots. Each slot has three mbarriers: k_ready
+  and v_ready (the copy landed) and kv_empty (both softmax partitions are done with it).
+  Running ahead, it brings the next tile's Q and first K/V tiles while the softmax partitions
+  finish the last one: a program pays the loads' latency once, not once per query tile, which
+  is what made short sequences slow when each program did one tile.
 - Two softmax partitions (a warpgroup each) own BLOCK_M query rows each. Each runs
   triton_forward.py's online softmax over the same K/V tiles on its own, with the tensor cores'
   asynchronous warpgroup MMA (wgmma). While one waits for its matrix multiply, the warp
   scheduler runs the other's exponentials: FlashAttention-3's ping-pong, here left to the
   hardware, without named barriers forcing the two to alternate.
 
+The TMA descriptors are built once per program, over the whole (B, H, N, D) tensors; a tile is
+addressed by its (batch, head, row) coordinates.
+
 flash_forward (triton_forward.py) sends a call here when serves() says so. That is only where
-this kernel measured faster than triton_forward.py's on the H200: head dim 128 and at least
-MIN_KEYS keys (docs/optimisation.md, "Warp specialisation in Gluon"). It computes what
-_attn_fwd computes: O, and the logsumexp lse that the backward reads.
+this kernel measured faster than triton_forward.py's on the H200 (docs/optimisation.md, "Warp
+specialisation in Gluon"). It computes what _attn_fwd computes: O, and the logsumexp lse that
+the backward reads.
 """
 import functools
 
@@ -29,14 +38,17 @@ from triton.experimental.gluon import language as gl
 from triton.experimental.gluon.language.nvidia.hopper import (fence_async_shared, mbarrier, tma, warpgroup_mma,
                                                              warpgroup_mma_wait)
 
-from .triton_launch import GRID_Y_LIMIT, INTERPRETING, set_tma_scratch_allocator
+from .triton_launch import INTERPRETING, set_tma_scratch_allocator
 from .triton_tiles import LN_2, LOG2_E
 
-SERVED_HEAD_DIM = 128
-MIN_KEYS = 2048
-# BLOCK_M query rows per softmax partition, BLOCK_N keys per tile, STAGES ring slots; registers
-# per thread: the softmax warpgroups need many, the loader few. The best of those the probe timed.
-CONFIG = dict(BLOCK_M=64, BLOCK_N=128, STAGES=2, SOFTMAX_REGISTERS=232, LOAD_REGISTERS=24)
+# The (head dim, causal) calls this kernel measured faster on, and its tiles for each: BLOCK_M
+# query rows per softmax partition, BLOCK_N keys per tile, STAGES ring slots. At head dim 64 the
+# causal calls stay with triton_forward.py's kernel, which was faster at N = 1024 and 16384.
+TILES = {(128, False): dict(BLOCK_M=64, BLOCK_N=128, STAGES=2), (128, True): dict(BLOCK_M=64, BLOCK_N=128, STAGES=2),
+         (64, False): dict(BLOCK_M=64, BLOCK_N=256, STAGES=2)}
+MIN_KEYS = 256  # the shortest sequence it was measured on
+# Registers per thread: the softmax warpgroups need many, the loader few.
+REGISTERS = dict(SOFTMAX_REGISTERS=232, LOAD_REGISTERS=24)
 
 # The TMA copies are named async_copy_global_to_shared / async_copy_shared_to_global in Triton 3.6
 # and async_load / async_store in later releases.
@@ -44,11 +56,11 @@ tma_load = getattr(tma, "async_load", None) or tma.async_copy_global_to_shared
 tma_store = getattr(tma, "async_store", None) or tma.async_copy_shared_to_global
 
 
-def serves(q, k):
-    """Whether flash_forward runs this kernel for q, k: 16-bit, head dim 128, MIN_KEYS keys or
-    more, a grid within CUDA's y limit, compiled (not interpreted) for a Hopper card."""
-    return (q.dtype in (torch.bfloat16, torch.float16) and q.shape[-1] == SERVED_HEAD_DIM and k.shape[2] >= MIN_KEYS
-            and q.shape[0] * q.shape[1] <= GRID_Y_LIMIT and not INTERPRETING and is_hopper(q.device))
+def serves(q, k, is_causal):
+    """Whether flash_forward runs this kernel: 16-bit, a head dim and mask in TILES, MIN_KEYS keys
+    or more, compiled (not interpreted) for a Hopper card."""
+    return (q.dtype in (torch.bfloat16, torch.float16) and (q.shape[-1], is_causal) in TILES
+            and k.shape[2] >= MIN_KEYS and not INTERPRETING and is_hopper(q.device))
 
 
 @functools.cache
@@ -57,56 +69,105 @@ def is_hopper(device):
     return device.type == "cuda" and torch.cuda.get_device_capability(device)[0] == 9
 
 
+@functools.cache
+def sm_count(device):
+    return torch.cuda.get_device_properties(device).multi_processor_count
+
+
 @gluon.jit
-def _head_matrix(T, bh, H, stride_b, stride_h, stride_n, N, BLOCK: gl.constexpr, HEAD_DIM: gl.constexpr):
-    """triton_tiles.head_matrix's TMA case: the (N, HEAD_DIM) matrix of batch-head bh, in tiles of BLOCK rows."""
-    layout: gl.constexpr = gl.NVMMASharedLayout.get_default_for([BLOCK, HEAD_DIM], T.dtype.element_ty)
-    b = (bh // H).to(gl.int64)
-    h = (bh % H).to(gl.int64)
-    return tma.make_tensor_descriptor(T + b * stride_b + h * stride_h, shape=[N, HEAD_DIM], strides=[stride_n, 1],
-                                      block_shape=[BLOCK, HEAD_DIM], layout=layout)
+def _tensor_matrices(T, B, H, N, stride_b, stride_h, stride_n, BLOCK: gl.constexpr, HEAD_DIM: gl.constexpr):
+    """A TMA descriptor of a (B, H, N, HEAD_DIM) tensor, read and written in (1, 1, BLOCK, HEAD_DIM)
+    tiles: the (N, HEAD_DIM) matrix of every batch-head at once. Rows past N read as zeros and
+    are dropped on a store."""
+    layout: gl.constexpr = gl.NVMMASharedLayout.get_default_for([1, 1, BLOCK, HEAD_DIM], T.dtype.element_ty)
+    return tma.make_tensor_descriptor(T, shape=[B, H, N, HEAD_DIM], strides=[stride_b, stride_h, stride_n, 1],
+                                      block_shape=[1, 1, BLOCK, HEAD_DIM], layout=layout)
+
+
+@gluon.jit
+def _unit(unit, n_pairs, H):
+    """Unit of work `unit`: its batch, head, pair index and the number of pairs per batch-head."""
+    bh = unit // n_pairs
+    return bh // H, bh % H, unit % n_pairs
+
+
+@gluon.jit
+def _key_tile_counts(start_m, N_K, IS_CAUSAL: gl.constexpr, ROWS: gl.constexpr, BLOCK_N: gl.constexpr):
+    """Of the key tiles the query tile of ROWS rows from start_m visits, [0, n_unmasked) need no
+    mask for any of its rows, [n_unmasked, n_tiles) do."""
+    n_tiles = gl.cdiv(N_K, BLOCK_N)
+    n_unmasked = N_K // BLOCK_N
+    if IS_CAUSAL:
+        n_tiles = gl.minimum(n_tiles, gl.cdiv(start_m + ROWS, BLOCK_N))
+        n_unmasked = gl.minimum(n_unmasked, (start_m + 1) // BLOCK_N)
+    return n_unmasked, n_tiles
 
 
 # A partition's arguments reach it as tensors, constants included, so each partition reads its
 # tile sizes off the shapes of its shared-memory buffers.
 
 @gluon.jit
-def _load_partition(Q, K, V, q_smem, k_bufs, v_bufs, q_ready, k_ready, v_ready, kv_empty, start_m, n_tiles):
-    """One warp: the two query tiles once, then key tile j's K and V into ring slot j % STAGES."""
-    BLOCK_M: gl.constexpr = q_smem.shape[1]
-    BLOCK_N: gl.constexpr = k_bufs.shape[1]
+def _load_query_tile(Q, K, V, q_smem, k_bufs, v_bufs, q_ready, q_empty, k_ready, v_ready, kv_empty, b, h, start_m,
+                     N_K, ring, tiles_done, IS_CAUSAL: gl.constexpr):
+    """The loader's part of one query tile: its two halves of Q, once the softmax partitions
+    have let go of the previous tile's; then key tile j's K and V into ring slot ring % STAGES."""
+    BLOCK_M: gl.constexpr = q_smem.shape[3]
+    BLOCK_N: gl.constexpr = k_bufs.shape[3]
     STAGES: gl.constexpr = k_bufs.shape[0]
+    _, n_tiles = _key_tile_counts(start_m, N_K, IS_CAUSAL, 2 * BLOCK_M, BLOCK_N)
     for half in gl.static_range(2):
+        # An mbarrier's phase flips each time it completes; waiting on the phase before the
+        # first passes at once, so the first wait on an "empty" barrier does not block.
+        mbarrier.wait(q_empty.index(half), (tiles_done & 1) ^ 1)
         mbarrier.expect(q_ready.index(half), Q.block_type.nbytes)
-        tma_load(Q, [start_m + half * BLOCK_M, 0], q_ready.index(half), q_smem.index(half))
+        tma_load(Q, [b, h, start_m + half * BLOCK_M, 0], q_ready.index(half), q_smem.index(half))
     for j in range(n_tiles):
-        slot = j % STAGES
-        # Wait for both softmax partitions to release the slot's previous tile. An mbarrier's
-        # phase flips each time it completes; waiting on the phase before the first passes at
-        # once, so the first lap through the ring does not wait.
-        mbarrier.wait(kv_empty.index(slot), ((j // STAGES) & 1) ^ 1)
+        slot = ring % STAGES
+        mbarrier.wait(kv_empty.index(slot), ((ring // STAGES) & 1) ^ 1)
         mbarrier.expect(k_ready.index(slot), K.block_type.nbytes)
-        tma_load(K, [j * BLOCK_N, 0], k_ready.index(slot), k_bufs.index(slot))
+        tma_load(K, [b, h, j * BLOCK_N, 0], k_ready.index(slot), k_bufs.index(slot))
         mbarrier.expect(v_ready.index(slot), V.block_type.nbytes)
-        tma_load(V, [j * BLOCK_N, 0], v_ready.index(slot), v_bufs.index(slot))
+        tma_load(V, [b, h, j * BLOCK_N, 0], v_ready.index(slot), v_bufs.index(slot))
+        ring += 1
+    return ring, tiles_done + 1
 
 
 @gluon.jit
-def _key_tiles(acc, l_i, m_i, q_tile, k_bufs, v_bufs, k_ready, v_ready, kv_empty, first, last, rows, N_K, diagonal,
-               qk_scale, MASKED: gl.constexpr, s_layout: gl.constexpr, o_layout: gl.constexpr):
+def _load_partition(Q, K, V, q_smem, k_bufs, v_bufs, q_ready, q_empty, k_ready, v_ready, kv_empty, n_units, n_pairs,
+                    n_query_tiles, H, N_K, IS_CAUSAL: gl.constexpr):
+    """One warp: the program's units in turn, each query tile's loads (_load_query_tile)."""
+    BLOCK_M: gl.constexpr = q_smem.shape[3]
+    ring = 0
+    tiles_done = 0
+    for unit in range(gl.program_id(0), n_units, gl.num_programs(0)):
+        b, h, pair = _unit(unit, n_pairs, H)
+        mirror = n_query_tiles - 1 - pair
+        ring, tiles_done = _load_query_tile(Q, K, V, q_smem, k_bufs, v_bufs, q_ready, q_empty, k_ready, v_ready,
+                                            kv_empty, b, h, mirror * 2 * BLOCK_M, N_K, ring, tiles_done, IS_CAUSAL)
+        if pair != mirror:  # with an odd number of tiles, the middle one is its own mirror
+            ring, tiles_done = _load_query_tile(Q, K, V, q_smem, k_bufs, v_bufs, q_ready, q_empty, k_ready, v_ready,
+                                                kv_empty, b, h, pair * 2 * BLOCK_M, N_K, ring, tiles_done, IS_CAUSAL)
+
+
+@gluon.jit
+def _key_tiles(acc, l_i, m_i, q_tile, k_bufs, v_bufs, k_ready, v_ready, kv_empty, first, last, ring, rows, N_K,
+               diagonal, qk_scale, MASKED: gl.constexpr, s_layout: gl.constexpr, o_layout: gl.constexpr):
     """triton_forward._fwd_key_tiles with the ring: the online-softmax update over key tiles
-    [first, last), tile j read from slot j % STAGES and released once P V is done with it."""
+    [first, last), tile j read from slot (ring + j) % STAGES and released once P V is done with it."""
     BLOCK_M: gl.constexpr = q_tile.shape[0]
-    BLOCK_N: gl.constexpr = k_bufs.shape[1]
+    BLOCK_N: gl.constexpr = k_bufs.shape[3]
+    HEAD_DIM: gl.constexpr = k_bufs.shape[4]
     STAGES: gl.constexpr = k_bufs.shape[0]
     # P goes into the second matrix multiply from registers, in the layout wgmma reads its A operand in.
     p_layout: gl.constexpr = gl.DotOperandLayout(operand_index=0, parent=o_layout, k_width=2)
     no_scores = gl.zeros([BLOCK_M, BLOCK_N], gl.float32, s_layout)
     for j in range(first, last):
-        slot = j % STAGES
-        phase = (j // STAGES) & 1
+        slot = (ring + j) % STAGES
+        phase = ((ring + j) // STAGES) & 1
+        k_tile = k_bufs.index(slot).reshape([BLOCK_N, HEAD_DIM])
+        v_tile = v_bufs.index(slot).reshape([BLOCK_N, HEAD_DIM])
         mbarrier.wait(k_ready.index(slot), phase)
-        s = warpgroup_mma(q_tile, k_bufs.index(slot).permute((1, 0)), no_scores, use_acc=False, is_async=True)
+        s = warpgroup_mma(q_tile, k_tile.permute((1, 0)), no_scores, use_acc=False, is_async=True)
         s = warpgroup_mma_wait(num_outstanding=0, deps=(s,))
         if MASKED:  # keys past N_K, and after the row's own when causal (diagonal = 0; N_K otherwise)
             cols = j * BLOCK_N + gl.arange(0, BLOCK_N, layout=gl.SliceLayout(0, s_layout))
@@ -117,7 +178,7 @@ def _key_tiles(acc, l_i, m_i, q_tile, k_bufs, v_bufs, k_ready, v_ready, kv_empty
         l_i = l_i * alpha + gl.sum(p, 1)
         acc = acc * gl.convert_layout(alpha, gl.SliceLayout(1, o_layout))[:, None]
         mbarrier.wait(v_ready.index(slot), phase)
-        acc = warpgroup_mma(gl.convert_layout(p.to(q_tile.dtype), p_layout), v_bufs.index(slot), acc, is_async=True)
+        acc = warpgroup_mma(gl.convert_layout(p.to(q_tile.dtype), p_layout), v_tile, acc, is_async=True)
         acc = warpgroup_mma_wait(num_outstanding=0, deps=(acc,))
         mbarrier.arrive(kv_empty.index(slot), count=1)
         m_i = m_new
@@ -125,97 +186,115 @@ def _key_tiles(acc, l_i, m_i, q_tile, k_bufs, v_bufs, k_ready, v_ready, kv_empty
 
 
 @gluon.jit
-def _softmax_partition(O, LSE, q_smem, k_bufs, v_bufs, q_ready, k_ready, v_ready, kv_empty, bh, start_m, n_unmasked,
-                       n_tiles, N_Q, N_K, diagonal, qk_scale, HALF: gl.constexpr):
-    """One warpgroup: query rows [start_m + HALF * BLOCK_M, + BLOCK_M) against the program's
-    key tiles, then their O (through TMA) and lse."""
-    BLOCK_M: gl.constexpr = q_smem.shape[1]
-    HEAD_DIM: gl.constexpr = q_smem.shape[2]
-    BLOCK_N: gl.constexpr = k_bufs.shape[1]
+def _softmax_query_tile(O, LSE, q_smem, o_smem, k_bufs, v_bufs, q_ready, q_empty, k_ready, v_ready, kv_empty, b, h, H,
+                        start_m, N_Q, N_K, qk_scale, ring, tiles_done, IS_CAUSAL: gl.constexpr, HALF: gl.constexpr):
+    """One softmax partition's part of one query tile: rows [start_m + HALF * BLOCK_M, + BLOCK_M)
+    against the tile's key tiles, then their O (through TMA) and lse."""
+    BLOCK_M: gl.constexpr = q_smem.shape[3]
+    HEAD_DIM: gl.constexpr = q_smem.shape[4]
+    BLOCK_N: gl.constexpr = k_bufs.shape[3]
     # Where wgmma leaves its results: 4 warps down the rows, instructions 16 rows by a tile's width.
     s_layout: gl.constexpr = gl.NVMMADistributedLayout(version=[3, 0], warps_per_cta=[4, 1],
                                                        instr_shape=[16, BLOCK_N, 16])
     o_layout: gl.constexpr = gl.NVMMADistributedLayout(version=[3, 0], warps_per_cta=[4, 1],
                                                        instr_shape=[16, HEAD_DIM, 16])
+    n_unmasked, n_tiles = _key_tile_counts(start_m, N_K, IS_CAUSAL, 2 * BLOCK_M, BLOCK_N)
+    diagonal = 0 if IS_CAUSAL else N_K
     row_start = start_m + HALF * BLOCK_M
     rows = row_start + gl.arange(0, BLOCK_M, layout=gl.SliceLayout(1, s_layout))
     m_i = gl.full([BLOCK_M], float("-inf"), gl.float32, gl.SliceLayout(1, s_layout))
     l_i = gl.zeros([BLOCK_M], gl.float32, gl.SliceLayout(1, s_layout))
     acc = gl.zeros([BLOCK_M, HEAD_DIM], gl.float32, o_layout)
-    q_tile = q_smem.index(HALF)
-    mbarrier.wait(q_ready.index(HALF), 0)
-    acc, l_i, m_i = _key_tiles(acc, l_i, m_i, q_tile, k_bufs, v_bufs, k_ready, v_ready, kv_empty, 0, n_unmasked, rows,
-                               N_K, diagonal, qk_scale, False, s_layout, o_layout)
+    q_tile = q_smem.index(HALF).reshape([BLOCK_M, HEAD_DIM])
+    mbarrier.wait(q_ready.index(HALF), tiles_done & 1)
+    acc, l_i, m_i = _key_tiles(acc, l_i, m_i, q_tile, k_bufs, v_bufs, k_ready, v_ready, kv_empty, 0, n_unmasked, ring,
+                               rows, N_K, diagonal, qk_scale, False, s_layout, o_layout)
     acc, l_i, m_i = _key_tiles(acc, l_i, m_i, q_tile, k_bufs, v_bufs, k_ready, v_ready, kv_empty, n_unmasked, n_tiles,
-                               rows, N_K, diagonal, qk_scale, True, s_layout, o_layout)
-    # Normalise once. The query tile's buffer is free now: O leaves through it (TMA drops rows past N_Q).
+                               ring, rows, N_K, diagonal, qk_scale, True, s_layout, o_layout)
+    mbarrier.arrive(q_empty.index(HALF), count=1)  # the loader may bring the next tile's Q
+    # Normalise once. O leaves through its own buffer, once the previous tile's O has left it.
     o = acc / gl.convert_layout(l_i, gl.SliceLayout(1, o_layout))[:, None]
-    q_tile.store(o.to(q_tile.dtype))
+    tma.store_wait(pendings=0)
+    o_tile = o_smem.index(HALF)
+    o_tile.reshape([BLOCK_M, HEAD_DIM]).store(o.to(o_smem.dtype))
     fence_async_shared()
-    tma_store(O, [row_start, 0], q_tile)
+    tma_store(O, [b, h, row_start, 0], o_tile)
     lse = (m_i + gl.log2(l_i)) * LN_2  # back to natural log
-    gl.store(LSE + bh * N_Q + rows, lse, mask=rows < N_Q)
+    gl.store(LSE + (b * H + h) * N_Q + rows, lse, mask=rows < N_Q)
+    return ring + n_tiles, tiles_done + 1
+
+
+@gluon.jit
+def _softmax_partition(O, LSE, q_smem, o_smem, k_bufs, v_bufs, q_ready, q_empty, k_ready, v_ready, kv_empty, n_units,
+                       n_pairs, n_query_tiles, H, N_Q, N_K, qk_scale, IS_CAUSAL: gl.constexpr, HALF: gl.constexpr):
+    """One warpgroup: the program's units in turn, as the loader takes them (_load_partition)."""
+    BLOCK_M: gl.constexpr = q_smem.shape[3]
+    ring = 0
+    tiles_done = 0
+    for unit in range(gl.program_id(0), n_units, gl.num_programs(0)):
+        b, h, pair = _unit(unit, n_pairs, H)
+        mirror = n_query_tiles - 1 - pair
+        ring, tiles_done = _softmax_query_tile(O, LSE, q_smem, o_smem, k_bufs, v_bufs, q_ready, q_empty, k_ready,
+                                               v_ready, kv_empty, b, h, H, mirror * 2 * BLOCK_M, N_Q, N_K, qk_scale,
+                                               ring, tiles_done, IS_CAUSAL, HALF)
+        if pair != mirror:
+            ring, tiles_done = _softmax_query_tile(O, LSE, q_smem, o_smem, k_bufs, v_bufs, q_ready, q_empty, k_ready,
+                                                   v_ready, kv_empty, b, h, H, pair * 2 * BLOCK_M, N_Q, N_K, qk_scale,
+                                                   ring, tiles_done, IS_CAUSAL, HALF)
     tma.store_wait(pendings=0)
 
 
 @gluon.jit
-def _first_half(O, LSE, q_smem, k_bufs, v_bufs, q_ready, k_ready, v_ready, kv_empty, bh, start_m, n_unmasked, n_tiles,
-                N_Q, N_K, diagonal, qk_scale):
-    _softmax_partition(O, LSE, q_smem, k_bufs, v_bufs, q_ready, k_ready, v_ready, kv_empty, bh, start_m, n_unmasked,
-                       n_tiles, N_Q, N_K, diagonal, qk_scale, 0)
+def _first_half(O, LSE, q_smem, o_smem, k_bufs, v_bufs, q_ready, q_empty, k_ready, v_ready, kv_empty, n_units, n_pairs,
+                n_query_tiles, H, N_Q, N_K, qk_scale, IS_CAUSAL: gl.constexpr):
+    _softmax_partition(O, LSE, q_smem, o_smem, k_bufs, v_bufs, q_ready, q_empty, k_ready, v_ready, kv_empty, n_units,
+                       n_pairs, n_query_tiles, H, N_Q, N_K, qk_scale, IS_CAUSAL, 0)
 
 
 @gluon.jit
-def _second_half(O, LSE, q_smem, k_bufs, v_bufs, q_ready, k_ready, v_ready, kv_empty, bh, start_m, n_unmasked, n_tiles,
-                 N_Q, N_K, diagonal, qk_scale):
-    _softmax_partition(O, LSE, q_smem, k_bufs, v_bufs, q_ready, k_ready, v_ready, kv_empty, bh, start_m, n_unmasked,
-                       n_tiles, N_Q, N_K, diagonal, qk_scale, 1)
+def _second_half(O, LSE, q_smem, o_smem, k_bufs, v_bufs, q_ready, q_empty, k_ready, v_ready, kv_empty, n_units,
+                 n_pairs, n_query_tiles, H, N_Q, N_K, qk_scale, IS_CAUSAL: gl.constexpr):
+    _softmax_partition(O, LSE, q_smem, o_smem, k_bufs, v_bufs, q_ready, q_empty, k_ready, v_ready, kv_empty, n_units,
+                       n_pairs, n_query_tiles, H, N_Q, N_K, qk_scale, IS_CAUSAL, 1)
 
 
 @gluon.jit
 def _attn_fwd_warp_specialized(Q, K, V, O, LSE,
                                stride_qb, stride_qh, stride_qn, stride_kb, stride_kh, stride_kn,
                                stride_vb, stride_vh, stride_vn, stride_ob, stride_oh, stride_on,
-                               H, N_Q, N_K, qk_scale,
+                               B, H, N_Q, N_K, qk_scale,
                                IS_CAUSAL: gl.constexpr, HEAD_DIM: gl.constexpr, BLOCK_M: gl.constexpr,
                                BLOCK_N: gl.constexpr, STAGES: gl.constexpr, SOFTMAX_REGISTERS: gl.constexpr,
                                LOAD_REGISTERS: gl.constexpr):
-    tile, bh, tiles = gl.program_id(0), gl.program_id(1), gl.num_programs(0)
-    if IS_CAUSAL:  # the query tiles with the most keys first (triton_tiles.query_tile_start)
-        tile = tiles - 1 - tile
-    start_m = tile * 2 * BLOCK_M
-    q_matrix = _head_matrix(Q, bh, H, stride_qb, stride_qh, stride_qn, N_Q, BLOCK_M, HEAD_DIM)
-    k_matrix = _head_matrix(K, bh, H, stride_kb, stride_kh, stride_kn, N_K, BLOCK_N, HEAD_DIM)
-    v_matrix = _head_matrix(V, bh, H, stride_vb, stride_vh, stride_vn, N_K, BLOCK_N, HEAD_DIM)
-    o_matrix = _head_matrix(O, bh, H, stride_ob, stride_oh, stride_on, N_Q, BLOCK_M, HEAD_DIM)
+    q_matrices = _tensor_matrices(Q, B, H, N_Q, stride_qb, stride_qh, stride_qn, BLOCK_M, HEAD_DIM)
+    k_matrices = _tensor_matrices(K, B, H, N_K, stride_kb, stride_kh, stride_kn, BLOCK_N, HEAD_DIM)
+    v_matrices = _tensor_matrices(V, B, H, N_K, stride_vb, stride_vh, stride_vn, BLOCK_N, HEAD_DIM)
+    o_matrices = _tensor_matrices(O, B, H, N_Q, stride_ob, stride_oh, stride_on, BLOCK_M, HEAD_DIM)
+    n_query_tiles = gl.cdiv(N_Q, 2 * BLOCK_M)
+    n_pairs = gl.cdiv(n_query_tiles, 2)
+    n_units = B * H * n_pairs
 
-    # Key tiles [0, n_unmasked) need no mask for any of the program's rows; [n_unmasked, n_tiles) do.
-    n_tiles = gl.cdiv(N_K, BLOCK_N)
-    n_unmasked = N_K // BLOCK_N
-    diagonal = N_K
-    if IS_CAUSAL:
-        n_tiles = gl.minimum(n_tiles, gl.cdiv(start_m + 2 * BLOCK_M, BLOCK_N))
-        n_unmasked = gl.minimum(n_unmasked, (start_m + 1) // BLOCK_N)
-        diagonal = 0
-
-    q_smem = gl.allocate_shared_memory(Q.dtype.element_ty, [2, BLOCK_M, HEAD_DIM], q_matrix.layout)
-    k_bufs = gl.allocate_shared_memory(K.dtype.element_ty, [STAGES, BLOCK_N, HEAD_DIM], k_matrix.layout)
-    v_bufs = gl.allocate_shared_memory(V.dtype.element_ty, [STAGES, BLOCK_N, HEAD_DIM], v_matrix.layout)
+    q_smem = gl.allocate_shared_memory(Q.dtype.element_ty, [2, 1, 1, BLOCK_M, HEAD_DIM], q_matrices.layout)
+    o_smem = gl.allocate_shared_memory(O.dtype.element_ty, [2, 1, 1, BLOCK_M, HEAD_DIM], o_matrices.layout)
+    k_bufs = gl.allocate_shared_memory(K.dtype.element_ty, [STAGES, 1, 1, BLOCK_N, HEAD_DIM], k_matrices.layout)
+    v_bufs = gl.allocate_shared_memory(V.dtype.element_ty, [STAGES, 1, 1, BLOCK_N, HEAD_DIM], v_matrices.layout)
     q_ready = gl.allocate_shared_memory(gl.int64, [2, 1], mbarrier.MBarrierLayout())
+    q_empty = gl.allocate_shared_memory(gl.int64, [2, 1], mbarrier.MBarrierLayout())
     k_ready = gl.allocate_shared_memory(gl.int64, [STAGES, 1], mbarrier.MBarrierLayout())
     v_ready = gl.allocate_shared_memory(gl.int64, [STAGES, 1], mbarrier.MBarrierLayout())
     kv_empty = gl.allocate_shared_memory(gl.int64, [STAGES, 1], mbarrier.MBarrierLayout())
     for half in gl.static_range(2):
         mbarrier.init(q_ready.index(half), count=1)
+        mbarrier.init(q_empty.index(half), count=1)
     for slot in gl.static_range(STAGES):
         mbarrier.init(k_ready.index(slot), count=1)
         mbarrier.init(v_ready.index(slot), count=1)
         mbarrier.init(kv_empty.index(slot), count=2)  # one arrival from each softmax partition
 
-    softmax_args = (o_matrix, LSE, q_smem, k_bufs, v_bufs, q_ready, k_ready, v_ready, kv_empty, bh, start_m,
-                    n_unmasked, n_tiles, N_Q, N_K, diagonal, qk_scale)
-    load_args = (q_matrix, k_matrix, v_matrix, q_smem, k_bufs, v_bufs, q_ready, k_ready, v_ready, kv_empty, start_m,
-                 n_tiles)
+    softmax_args = (o_matrices, LSE, q_smem, o_smem, k_bufs, v_bufs, q_ready, q_empty, k_ready, v_ready, kv_empty,
+                    n_units, n_pairs, n_query_tiles, H, N_Q, N_K, qk_scale, IS_CAUSAL)
+    load_args = (q_matrices, k_matrices, v_matrices, q_smem, k_bufs, v_bufs, q_ready, q_empty, k_ready, v_ready,
+                 kv_empty, n_units, n_pairs, n_query_tiles, H, N_K, IS_CAUSAL)
     # The first partition runs in the kernel's own num_warps = 4 warps; the others in theirs.
     gl.warp_specialize([(_first_half, softmax_args), (_second_half, softmax_args), (_load_partition, load_args)],
                        [4, 1], [SOFTMAX_REGISTERS, LOAD_REGISTERS])
@@ -225,8 +304,10 @@ def gluon_forward(q, k, v, o, lse, is_causal):
     """flash_forward's contract: q, k, v (B, H, N, D) descriptor-ready views; writes O into o
     (descriptor-ready) and lse into lse (B, H, N_q) float32 contiguous."""
     B, H, N_Q, D = q.shape
+    tiles = TILES[D, is_causal]
     set_tma_scratch_allocator()
-    grid = (triton.cdiv(N_Q, 2 * CONFIG["BLOCK_M"]), B * H)
+    units = B * H * triton.cdiv(triton.cdiv(N_Q, 2 * tiles["BLOCK_M"]), 2)
+    grid = (min(units, sm_count(q.device)),)
     _attn_fwd_warp_specialized[grid](q, k, v, o, lse, *q.stride()[:3], *k.stride()[:3], *v.stride()[:3],
-                                     *o.stride()[:3], H, N_Q, k.shape[2], D ** -0.5 * LOG2_E, IS_CAUSAL=is_causal,
-                                     HEAD_DIM=D, **CONFIG, num_warps=4)
+                                     *o.stride()[:3], B, H, N_Q, k.shape[2], D ** -0.5 * LOG2_E, IS_CAUSAL=is_causal,
+                                     HEAD_DIM=D, **tiles, **REGISTERS, num_warps=4)

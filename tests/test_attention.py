@@ -577,8 +577,9 @@ def test_interpreter_warning_names_the_callers_line():
 def test_warp_specialized_forward_serves_only_compiled_hopper_kernels():
     """gluon_forward.py's kernel has no interpreter path: off a Hopper card (here, on the CPU)
     flash_forward keeps _attn_fwd even at the shape the kernel serves on Hopper."""
-    q = torch.randn(1, 2, gluon_forward.MIN_KEYS, gluon_forward.SERVED_HEAD_DIM, dtype=torch.bfloat16)
-    assert not gluon_forward.serves(q, q)
+    for head_dim, is_causal in gluon_forward.TILES:
+        q = torch.randn(1, 2, gluon_forward.MIN_KEYS, head_dim, dtype=torch.bfloat16)
+        assert not gluon_forward.serves(q, q, is_causal)
 
 
 # ---------------------------------------------------------------- GPU (run on the H200)
@@ -629,16 +630,20 @@ def test_gpu_every_tile_config_is_correct(head_dim, is_causal, dtype, heads_firs
             assert_close(got, ref, tol, f"{name} with {config}")
 
 
+SERVED = pytest.mark.parametrize("head_dim,is_causal", list(gluon_forward.TILES))
+
+
 @gpu
 @pytest.mark.parametrize("dtype", [torch.bfloat16, torch.float16])
-@pytest.mark.parametrize("is_causal", [False, True])
-@pytest.mark.parametrize("n_q,n_k", [(2049, 2049), (300, 4097), (5000, 2048), (1, 3001)])
-def test_gpu_warp_specialized_forward(n_q, n_k, is_causal, dtype):
-    """gluon_forward.py's kernel, which flash_forward runs on Hopper at head dim 128 from
-    MIN_KEYS keys: O and lse against float64, on views of one projection when N_q = N_k."""
+@SERVED
+@pytest.mark.parametrize("n_q,n_k", [(2049, 2049), (300, 4097), (5000, 2048), (1, 3001), (257, 257)])
+def test_gpu_warp_specialized_forward(n_q, n_k, head_dim, is_causal, dtype):
+    """gluon_forward.py's kernel, which flash_forward runs on Hopper at the head dims and masks
+    of its TILES from MIN_KEYS keys: O and lse against float64, on views of one projection when
+    N_q = N_k."""
     if not gluon_forward.is_hopper(torch.device("cuda")):
         pytest.skip("the warp-specialised forward is Hopper's")
-    B, H, D = 2, 3, 128
+    B, H, D = 2, 3, head_dim
     g = torch.Generator(device="cuda").manual_seed(n_q + n_k)
     if n_q == n_k:
         qkv = torch.randn(B, n_q, 3, H, D, device="cuda", dtype=dtype, generator=g)
@@ -646,7 +651,7 @@ def test_gpu_warp_specialized_forward(n_q, n_k, is_causal, dtype):
     else:
         q = torch.randn(B, H, n_q, D, device="cuda", dtype=dtype, generator=g)
         k, v = (torch.randn(B, H, n_k, D, device="cuda", dtype=dtype, generator=g) for _ in range(2))
-    assert gluon_forward.serves(q, k)
+    assert gluon_forward.serves(q, k, is_causal)
     o, lse = flash_forward(q, k, v, is_causal)
     o_ref, lse_ref = eager_attention_with_lse(q.double(), k.double(), v.double(), is_causal)
     assert_close(o, o_ref, GPU_TOLERANCE[dtype], "O")
@@ -654,16 +659,35 @@ def test_gpu_warp_specialized_forward(n_q, n_k, is_causal, dtype):
 
 
 @gpu
-@pytest.mark.parametrize("is_causal", [False, True])
-def test_gpu_warp_specialized_forward_in_the_packed_path(is_causal):
+@SERVED
+def test_gpu_warp_specialized_forward_takes_units_in_turn(head_dim, is_causal):
+    """gluon_forward.py's kernel with many more units of work than the GPU has SMs, so each
+    program takes several in turn, and 9 query tiles per head, so one unit is a middle tile that
+    is its own mirror."""
+    if not gluon_forward.is_hopper(torch.device("cuda")):
+        pytest.skip("the warp-specialised forward is Hopper's")
+    B, H, n, D = 3, 50, 1100, head_dim
+    qkv = torch.randn(B, n, 3, H, D, device="cuda", dtype=torch.bfloat16,
+                      generator=torch.Generator(device="cuda").manual_seed(11))
+    q, k, v = (t.transpose(1, 2) for t in qkv.unbind(2))
+    assert gluon_forward.serves(q, k, is_causal)
+    o, lse = flash_forward(q, k, v, is_causal)
+    o_ref, lse_ref = eager_attention_with_lse(q.double(), k.double(), v.double(), is_causal)
+    assert_close(o, o_ref, GPU_TOLERANCE[torch.bfloat16], "O")
+    assert_close(lse, lse_ref, 1e-4, "lse")
+
+
+@gpu
+@SERVED
+def test_gpu_warp_specialized_forward_in_the_packed_path(head_dim, is_causal):
     """The model's route (packed_attention, O written with (B, N, H, D) strides) with the
     warp-specialised forward and triton_backward.py's backward after it, against float64."""
     if not gluon_forward.is_hopper(torch.device("cuda")):
         pytest.skip("the warp-specialised forward is Hopper's")
-    qkv = torch.randn(2, gluon_forward.MIN_KEYS + 1, 3, 2, gluon_forward.SERVED_HEAD_DIM, device="cuda",
-                      dtype=torch.bfloat16, generator=torch.Generator(device="cuda").manual_seed(17))
+    qkv = torch.randn(2, gluon_forward.MIN_KEYS + 1, 3, 2, head_dim, device="cuda", dtype=torch.bfloat16,
+                      generator=torch.Generator(device="cuda").manual_seed(17))
     q, k, _ = (t.transpose(1, 2) for t in qkv.unbind(2))
-    assert gluon_forward.serves(q, k)
+    assert gluon_forward.serves(q, k, is_causal)
     check_packed("triton", qkv.requires_grad_(), is_causal, GPU_TOLERANCE[torch.bfloat16])
 
 

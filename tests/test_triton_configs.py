@@ -54,7 +54,7 @@ def measure():
     """Compile every config for sm_90; for each cp.async config, also compile for sm_89 at the
     largest head dim the estimate admits per element size, and report the compiler's shared
     memory. Then the Gluon forward for sm_90, with its shared memory."""
-    from attention.gluon_forward import CONFIG, SERVED_HEAD_DIM, _attn_fwd_warp_specialized
+    from attention.gluon_forward import REGISTERS, TILES, _attn_fwd_warp_specialized
     from attention.triton_backward import BACKWARD_CONFIGS, _attn_bwd, backward_smem_rows
     from attention.triton_launch import shared_memory_bytes
     from attention.triton_forward import FORWARD_CONFIGS, _attn_fwd, forward_smem_rows
@@ -77,10 +77,10 @@ def measure():
                 results.append(dict(kernel=kernel.__name__, config=str(config), element_type=element_type,
                                     head_dim=max(admitted), shared=compiled.metadata.shared))
     hopper = []
-    for is_causal in (False, True):
+    for (head_dim, is_causal), tiles in TILES.items():
         compiled = compile_for(_attn_fwd_warp_specialized, "bf16",
-                               dict(CONFIG, IS_CAUSAL=is_causal, HEAD_DIM=SERVED_HEAD_DIM), 90, 4, 1, gluon=True)
-        hopper.append(dict(is_causal=is_causal, shared=compiled.metadata.shared))
+                               dict(tiles, **REGISTERS, IS_CAUSAL=is_causal, HEAD_DIM=head_dim), 90, 4, 1, gluon=True)
+        hopper.append(dict(head_dim=head_dim, is_causal=is_causal, shared=compiled.metadata.shared))
     return dict(ada=results, hopper_gluon=hopper)
 
 
@@ -110,9 +110,10 @@ def test_every_kernel_has_an_ada_config_for_every_head_dim(compiled):
 
 
 def test_gluon_forward_compiles_for_hopper(compiled):
-    """The warp-specialised forward compiles for sm_90, causal and not, within Hopper's 227 KB
-    of shared memory per block."""
-    assert [r["is_causal"] for r in compiled["hopper_gluon"]] == [False, True]
+    """The warp-specialised forward compiles for sm_90 with the tiles of every head dim and mask
+    it serves, within Hopper's 227 KB of shared memory per block."""
+    from attention.gluon_forward import TILES
+    assert [(r["head_dim"], r["is_causal"]) for r in compiled["hopper_gluon"]] == list(TILES)
     for r in compiled["hopper_gluon"]:
         assert r["shared"] <= HOPPER_SHARED_MEMORY_BYTES, r
 
