@@ -31,7 +31,7 @@ The files, in reading order:
   tiled_backward.py      the tiled backward in PyTorch: delta, a dK/dV pass, a dQ pass
   triton_tiles.py        the @triton.jit helpers both kernels share (bounds, mask, loads, stores)
   triton_forward.py      the forward kernel
-  gluon_forward.py       the forward warp-specialised in Gluon, which it hands Hopper's long D=128 calls
+  gluon_forward.py       the forward warp-specialised and persistent in Gluon, for Hopper (gluon_forward.TILES)
   triton_backward.py     the backward kernels: delta, then both passes in one launch
   triton_ops.py          the kernels as torch.library custom operators, with their autograd
   triton_launch.py       the host side of a launch: layouts, device checks, config tuning
