@@ -41,9 +41,10 @@ from triton.experimental.gluon.language.nvidia.hopper import (fence_async_shared
 from .triton_launch import INTERPRETING, set_tma_scratch_allocator
 from .triton_tiles import LN_2, LOG2_E
 
-# The (head dim, causal) calls this kernel measured faster on, and its tiles for each: BLOCK_M
-# query rows per softmax partition, BLOCK_N keys per tile, STAGES ring slots. At head dim 64 the
-# causal calls stay with triton_forward.py's kernel, which was faster at N = 1024 and 16384.
+# The (head dim, causal) calls this kernel measured faster on (D = 128 causal: level at 256 and
+# 512 keys), and its tiles for each: BLOCK_M query rows per softmax partition, BLOCK_N keys per
+# tile, STAGES ring slots. At head dim 64 the causal calls stay with triton_forward.py's kernel,
+# as fast or faster at every length measured.
 TILES = {(128, False): dict(BLOCK_M=64, BLOCK_N=128, STAGES=2), (128, True): dict(BLOCK_M=64, BLOCK_N=128, STAGES=2),
          (64, False): dict(BLOCK_M=64, BLOCK_N=256, STAGES=2)}
 MIN_KEYS = 256  # the shortest sequence it was measured on
@@ -71,6 +72,7 @@ def is_hopper(device):
 
 @functools.cache
 def sm_count(device):
+    """The persistent grid's size: one program per SM."""
     return torch.cuda.get_device_properties(device).multi_processor_count
 
 
@@ -85,10 +87,14 @@ def _tensor_matrices(T, B, H, N, stride_b, stride_h, stride_n, BLOCK: gl.constex
 
 
 @gluon.jit
-def _unit(unit, n_pairs, H):
-    """Unit of work `unit`: its batch, head, pair index and the number of pairs per batch-head."""
+def _unit(unit, n_pairs, n_query_tiles, H, TILE_ROWS: gl.constexpr):
+    """Unit of work `unit` (n_pairs per batch-head): its batch, head, and the first rows of its
+    two query tiles, the mirror (T - 1 - t) first, then tile t. With an odd number of tiles the
+    middle one is its own mirror, and both rows are the same. The loader and the softmax
+    partitions walk the units through this one function, so they agree on the order."""
     bh = unit // n_pairs
-    return bh // H, bh % H, unit % n_pairs
+    pair = unit % n_pairs
+    return bh // H, bh % H, (n_query_tiles - 1 - pair) * TILE_ROWS, pair * TILE_ROWS
 
 
 @gluon.jit
@@ -140,13 +146,12 @@ def _load_partition(Q, K, V, q_smem, k_bufs, v_bufs, q_ready, q_empty, k_ready, 
     ring = 0
     tiles_done = 0
     for unit in range(gl.program_id(0), n_units, gl.num_programs(0)):
-        b, h, pair = _unit(unit, n_pairs, H)
-        mirror = n_query_tiles - 1 - pair
+        b, h, mirror_start, start = _unit(unit, n_pairs, n_query_tiles, H, 2 * BLOCK_M)
         ring, tiles_done = _load_query_tile(Q, K, V, q_smem, k_bufs, v_bufs, q_ready, q_empty, k_ready, v_ready,
-                                            kv_empty, b, h, mirror * 2 * BLOCK_M, N_K, ring, tiles_done, IS_CAUSAL)
-        if pair != mirror:  # with an odd number of tiles, the middle one is its own mirror
+                                            kv_empty, b, h, mirror_start, N_K, ring, tiles_done, IS_CAUSAL)
+        if start != mirror_start:
             ring, tiles_done = _load_query_tile(Q, K, V, q_smem, k_bufs, v_bufs, q_ready, q_empty, k_ready, v_ready,
-                                                kv_empty, b, h, pair * 2 * BLOCK_M, N_K, ring, tiles_done, IS_CAUSAL)
+                                                kv_empty, b, h, start, N_K, ring, tiles_done, IS_CAUSAL)
 
 
 @gluon.jit
@@ -232,15 +237,14 @@ def _softmax_partition(O, LSE, q_smem, o_smem, k_bufs, v_bufs, q_ready, q_empty,
     ring = 0
     tiles_done = 0
     for unit in range(gl.program_id(0), n_units, gl.num_programs(0)):
-        b, h, pair = _unit(unit, n_pairs, H)
-        mirror = n_query_tiles - 1 - pair
+        b, h, mirror_start, start = _unit(unit, n_pairs, n_query_tiles, H, 2 * BLOCK_M)
         ring, tiles_done = _softmax_query_tile(O, LSE, q_smem, o_smem, k_bufs, v_bufs, q_ready, q_empty, k_ready,
-                                               v_ready, kv_empty, b, h, H, mirror * 2 * BLOCK_M, N_Q, N_K, qk_scale,
-                                               ring, tiles_done, IS_CAUSAL, HALF)
-        if pair != mirror:
+                                               v_ready, kv_empty, b, h, H, mirror_start, N_Q, N_K, qk_scale, ring,
+                                               tiles_done, IS_CAUSAL, HALF)
+        if start != mirror_start:
             ring, tiles_done = _softmax_query_tile(O, LSE, q_smem, o_smem, k_bufs, v_bufs, q_ready, q_empty, k_ready,
-                                                   v_ready, kv_empty, b, h, H, pair * 2 * BLOCK_M, N_Q, N_K, qk_scale,
-                                                   ring, tiles_done, IS_CAUSAL, HALF)
+                                                   v_ready, kv_empty, b, h, H, start, N_Q, N_K, qk_scale, ring,
+                                                   tiles_done, IS_CAUSAL, HALF)
     tma.store_wait(pendings=0)
 
 
