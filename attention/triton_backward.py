@@ -170,7 +170,7 @@ def backward_smem_rows(config):
 
 # (dQ's query tile, key tile, dK/dV's query tile, num_warps, num_stages, TMA) the tuner chooses
 # among. It times the first three that fit, so the order matters, and the best configs depend on
-# the head dim (docs/benchmarks.md, session 20). This is the order at head dims up to 64: on the
+# the head dim (docs/benchmarks.md, session 21). This is the order at head dims up to 64: on the
 # H200 the first was the fastest on the model's short sequences and at N = 1024, the second and
 # third on the paper's longer ones. The last is the one that fits sm_89 with float32 at D=128.
 BACKWARD_CONFIGS = [
