@@ -39,7 +39,7 @@ from triton.experimental.gluon.language.nvidia.hopper import (fence_async_shared
                                                              warpgroup_mma_wait)
 
 from .triton_launch import INTERPRETING, set_tma_scratch_allocator
-from .triton_tiles import LN_2, LOG2_E
+from .triton_tiles import LN_2, LOG2_E, key_tile_bounds
 
 # The (head dim, causal) calls this kernel measured faster on (D = 128 causal: level at 256 and
 # 512 keys), and its tiles for each: BLOCK_M query rows per softmax partition, BLOCK_N keys per
@@ -99,14 +99,10 @@ def _unit(unit, n_pairs, n_query_tiles, H, TILE_ROWS: gl.constexpr):
 
 @gluon.jit
 def _key_tile_counts(start_m, N_K, IS_CAUSAL: gl.constexpr, ROWS: gl.constexpr, BLOCK_N: gl.constexpr):
-    """Of the key tiles the query tile of ROWS rows from start_m visits, [0, n_unmasked) need no
-    mask for any of its rows, [n_unmasked, n_tiles) do."""
-    n_tiles = gl.cdiv(N_K, BLOCK_N)
-    n_unmasked = N_K // BLOCK_N
-    if IS_CAUSAL:
-        n_tiles = gl.minimum(n_tiles, gl.cdiv(start_m + ROWS, BLOCK_N))
-        n_unmasked = gl.minimum(n_unmasked, (start_m + 1) // BLOCK_N)
-    return n_unmasked, n_tiles
+    """triton_tiles.key_tile_bounds in tiles: of the key tiles the query tile of ROWS rows from
+    start_m visits, [0, n_unmasked) need no mask for any of its rows, [n_unmasked, n_tiles) do."""
+    unmasked_end, end = key_tile_bounds(start_m, N_K, IS_CAUSAL, ROWS, BLOCK_N)
+    return unmasked_end // BLOCK_N, gl.cdiv(end, BLOCK_N)
 
 
 # A partition's arguments reach it as tensors, constants included, so each partition reads its
