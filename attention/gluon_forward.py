@@ -19,7 +19,9 @@ own layouts, shared-memory buffers, barriers and warp roles:
   triton_forward.py's online softmax over the same K/V tiles on its own, with the tensor cores'
   asynchronous warpgroup MMA (wgmma). While one waits for its matrix multiply, the warp
   scheduler runs the other's exponentials: FlashAttention-3's ping-pong, here left to the
-  hardware, without named barriers forcing the two to alternate.
+  hardware, without named barriers forcing the two to alternate. Where TILES says
+  SCORES_AHEAD, each also issues the next key tile's S = Q K^T with the current P V, so it
+  waits for the tensor cores once per key tile, not twice.
 
 The TMA descriptors are built once per program, over the whole (B, H, N, D) tensors; a tile is
 addressed by its (batch, head, row) coordinates.
@@ -41,13 +43,16 @@ from triton.experimental.gluon.language.nvidia.hopper import (fence_async_shared
 from .triton_launch import INTERPRETING, set_tma_scratch_allocator
 from .triton_tiles import LN_2, LOG2_E, key_tile_bounds
 
-# The (head dim, causal) calls this kernel measured faster on (D = 128 causal: level at 256 and
-# 512 keys), and its tiles for each: BLOCK_M query rows per softmax partition, BLOCK_N keys per
-# tile, STAGES ring slots. At head dim 64 the causal calls stay with triton_forward.py's kernel,
-# as fast or faster at every length measured.
-TILES = {(128, False): dict(BLOCK_M=64, BLOCK_N=128, STAGES=2), (128, True): dict(BLOCK_M=64, BLOCK_N=128, STAGES=2),
-         (64, False): dict(BLOCK_M=64, BLOCK_N=256, STAGES=2)}
-MIN_KEYS = 256  # the shortest sequence it was measured on
+# The (head dim, causal) calls this kernel measured faster on, and its constants for each:
+# BLOCK_M query rows per softmax partition, BLOCK_N keys per tile, STAGES ring slots, and
+# SCORES_AHEAD, whether a step issues the next key tile's scores with P V (_key_tiles).
+TILES = {(128, False): dict(BLOCK_M=64, BLOCK_N=128, STAGES=2, SCORES_AHEAD=True),
+         (128, True): dict(BLOCK_M=64, BLOCK_N=128, STAGES=2, SCORES_AHEAD=True),
+         (64, False): dict(BLOCK_M=64, BLOCK_N=256, STAGES=2, SCORES_AHEAD=False),
+         (64, True): dict(BLOCK_M=64, BLOCK_N=128, STAGES=2, SCORES_AHEAD=True)}
+# The fewest keys it serves each from: the shortest length measured, or at head dim 64 causal
+# where it caught up with triton_forward.py's kernel (level at 2,048 keys, behind at 1,024).
+MIN_KEYS = {(128, False): 256, (128, True): 256, (64, False): 256, (64, True): 2048}
 # Registers per thread: the softmax warpgroups need many, the loader few.
 REGISTERS = dict(SOFTMAX_REGISTERS=232, LOAD_REGISTERS=24)
 
@@ -58,10 +63,11 @@ tma_store = getattr(tma, "async_store", None) or tma.async_copy_shared_to_global
 
 
 def serves(q, k, is_causal):
-    """Whether flash_forward runs this kernel: 16-bit, a head dim and mask in TILES, MIN_KEYS keys
-    or more, compiled (not interpreted) for a Hopper card."""
-    return (q.dtype in (torch.bfloat16, torch.float16) and (q.shape[-1], is_causal) in TILES
-            and k.shape[2] >= MIN_KEYS and not INTERPRETING and is_hopper(q.device))
+    """Whether flash_forward runs this kernel: 16-bit, a head dim and mask in TILES with its
+    MIN_KEYS keys or more, compiled (not interpreted) for a Hopper card."""
+    key = (q.shape[-1], is_causal)
+    return (q.dtype in (torch.bfloat16, torch.float16) and key in TILES and k.shape[2] >= MIN_KEYS[key]
+            and not INTERPRETING and is_hopper(q.device))
 
 
 @functools.cache
@@ -105,8 +111,9 @@ def _key_tile_counts(start_m, N_K, IS_CAUSAL: gl.constexpr, ROWS: gl.constexpr, 
     return unmasked_end // BLOCK_N, gl.cdiv(end, BLOCK_N)
 
 
-# A partition's arguments reach it as tensors, constants included, so each partition reads its
-# tile sizes off the shapes of its shared-memory buffers.
+# Each partition reads its tile sizes off the shapes of its shared-memory buffers. Its other
+# constants (IS_CAUSAL, HALF, SCORES_AHEAD) come in its arguments, which stay compile-time only as
+# written in the warp_specialize call (_attn_fwd_warp_specialized).
 
 @gluon.jit
 def _load_query_tile(Q, K, V, q_smem, k_bufs, v_bufs, q_ready, q_empty, k_ready, v_ready, kv_empty, b, h, start_m,
@@ -151,10 +158,23 @@ def _load_partition(Q, K, V, q_smem, k_bufs, v_bufs, q_ready, q_empty, k_ready, 
 
 
 @gluon.jit
-def _key_tiles(acc, l_i, m_i, q_tile, k_bufs, v_bufs, k_ready, v_ready, kv_empty, first, last, ring, rows, N_K,
-               diagonal, qk_scale, MASKED: gl.constexpr, s_layout: gl.constexpr, o_layout: gl.constexpr):
+def _issue_scores(q_tile, k_bufs, k_ready, slot, phase, no_scores):
+    """Start S = Q K^T on the tensor cores for the key tile in ring slot `slot`, once its K has
+    landed (the slot's phase-th fill). The caller waits for it (warpgroup_mma_wait)."""
+    k_tile = k_bufs.index(slot).reshape([k_bufs.shape[3], k_bufs.shape[4]])
+    mbarrier.wait(k_ready.index(slot), phase)
+    return warpgroup_mma(q_tile, k_tile.permute((1, 0)), no_scores, use_acc=False, is_async=True)
+
+
+@gluon.jit
+def _key_tiles(acc, l_i, m_i, s, q_tile, k_bufs, v_bufs, k_ready, v_ready, kv_empty, first, last, n_tiles, ring, rows,
+               N_K, diagonal, qk_scale, MASKED: gl.constexpr, SCORES_AHEAD: gl.constexpr, s_layout: gl.constexpr,
+               o_layout: gl.constexpr):
     """triton_forward._fwd_key_tiles with the ring: the online-softmax update over key tiles
-    [first, last), tile j read from slot (ring + j) % STAGES and released once P V is done with it."""
+    [first, last) of the query tile's n_tiles, tile j read from slot (ring + j) % STAGES and
+    released once P V is done with it. A step waits for the tensor cores twice, for S_j and for
+    P_j V_j. With SCORES_AHEAD it issues tile j + 1's scores right after P_j V_j and waits once
+    for both, so the tensor cores run the two back to back; s comes in holding tile first's."""
     BLOCK_M: gl.constexpr = q_tile.shape[0]
     BLOCK_N: gl.constexpr = k_bufs.shape[3]
     HEAD_DIM: gl.constexpr = k_bufs.shape[4]
@@ -165,11 +185,10 @@ def _key_tiles(acc, l_i, m_i, q_tile, k_bufs, v_bufs, k_ready, v_ready, kv_empty
     for j in range(first, last):
         slot = (ring + j) % STAGES
         phase = ((ring + j) // STAGES) & 1
-        k_tile = k_bufs.index(slot).reshape([BLOCK_N, HEAD_DIM])
         v_tile = v_bufs.index(slot).reshape([BLOCK_N, HEAD_DIM])
-        mbarrier.wait(k_ready.index(slot), phase)
-        s = warpgroup_mma(q_tile, k_tile.permute((1, 0)), no_scores, use_acc=False, is_async=True)
-        s = warpgroup_mma_wait(num_outstanding=0, deps=(s,))
+        if not SCORES_AHEAD:
+            s = _issue_scores(q_tile, k_bufs, k_ready, slot, phase, no_scores)
+            s = warpgroup_mma_wait(num_outstanding=0, deps=(s,))
         if MASKED:  # keys past N_K, and after the row's own when causal (diagonal = 0; N_K otherwise)
             cols = j * BLOCK_N + gl.arange(0, BLOCK_N, layout=gl.SliceLayout(0, s_layout))
             s = gl.where((cols[None, :] < N_K) & (cols[None, :] <= rows[:, None] + diagonal), s, float("-inf"))
@@ -178,22 +197,29 @@ def _key_tiles(acc, l_i, m_i, q_tile, k_bufs, v_bufs, k_ready, v_ready, kv_empty
         alpha = gl.exp2(m_i - m_new)
         l_i = l_i * alpha + gl.sum(p, 1)
         acc = acc * gl.convert_layout(alpha, gl.SliceLayout(1, o_layout))[:, None]
-        mbarrier.wait(v_ready.index(slot), phase)
-        acc = warpgroup_mma(gl.convert_layout(p.to(q_tile.dtype), p_layout), v_tile, acc, is_async=True)
-        acc = warpgroup_mma_wait(num_outstanding=0, deps=(acc,))
-        mbarrier.arrive(kv_empty.index(slot), count=1)
         m_i = m_new
-    return acc, l_i, m_i
+        mbarrier.wait(v_ready.index(slot), phase)
+        pv = warpgroup_mma(gl.convert_layout(p.to(q_tile.dtype), p_layout), v_tile, acc, is_async=True)
+        if SCORES_AHEAD and j + 1 < n_tiles:
+            s_next = _issue_scores(q_tile, k_bufs, k_ready, (ring + j + 1) % STAGES, ((ring + j + 1) // STAGES) & 1,
+                                   no_scores)
+            acc, s = warpgroup_mma_wait(num_outstanding=0, deps=(pv, s_next))
+        else:  # s keeps its stale value: a new one here measured slower (docs/optimisation.md)
+            acc = warpgroup_mma_wait(num_outstanding=0, deps=(pv,))
+        mbarrier.arrive(kv_empty.index(slot), count=1)
+    return acc, l_i, m_i, s
 
 
 @gluon.jit
 def _softmax_query_tile(O, LSE, q_smem, o_smem, k_bufs, v_bufs, q_ready, q_empty, k_ready, v_ready, kv_empty, b, h, H,
-                        start_m, N_Q, N_K, qk_scale, ring, tiles_done, IS_CAUSAL: gl.constexpr, HALF: gl.constexpr):
+                        start_m, N_Q, N_K, qk_scale, ring, tiles_done, IS_CAUSAL: gl.constexpr, HALF: gl.constexpr,
+                        SCORES_AHEAD: gl.constexpr):
     """One softmax partition's part of one query tile: rows [start_m + HALF * BLOCK_M, + BLOCK_M)
     against the tile's key tiles, then their O (through TMA) and lse."""
     BLOCK_M: gl.constexpr = q_smem.shape[3]
     HEAD_DIM: gl.constexpr = q_smem.shape[4]
     BLOCK_N: gl.constexpr = k_bufs.shape[3]
+    STAGES: gl.constexpr = k_bufs.shape[0]
     # Where wgmma leaves its results: 4 warps down the rows, instructions 16 rows by a tile's width.
     s_layout: gl.constexpr = gl.NVMMADistributedLayout(version=[3, 0], warps_per_cta=[4, 1],
                                                        instr_shape=[16, BLOCK_N, 16])
@@ -206,12 +232,17 @@ def _softmax_query_tile(O, LSE, q_smem, o_smem, k_bufs, v_bufs, q_ready, q_empty
     m_i = gl.full([BLOCK_M], float("-inf"), gl.float32, gl.SliceLayout(1, s_layout))
     l_i = gl.zeros([BLOCK_M], gl.float32, gl.SliceLayout(1, s_layout))
     acc = gl.zeros([BLOCK_M, HEAD_DIM], gl.float32, o_layout)
+    s = gl.zeros([BLOCK_M, BLOCK_N], gl.float32, s_layout)
     q_tile = q_smem.index(HALF).reshape([BLOCK_M, HEAD_DIM])
     mbarrier.wait(q_ready.index(HALF), tiles_done & 1)
-    acc, l_i, m_i = _key_tiles(acc, l_i, m_i, q_tile, k_bufs, v_bufs, k_ready, v_ready, kv_empty, 0, n_unmasked, ring,
-                               rows, N_K, diagonal, qk_scale, False, s_layout, o_layout)
-    acc, l_i, m_i = _key_tiles(acc, l_i, m_i, q_tile, k_bufs, v_bufs, k_ready, v_ready, kv_empty, n_unmasked, n_tiles,
-                               ring, rows, N_K, diagonal, qk_scale, True, s_layout, o_layout)
+    if SCORES_AHEAD:  # the first key tile's scores; each step of _key_tiles issues the next one's
+        s = _issue_scores(q_tile, k_bufs, k_ready, ring % STAGES, (ring // STAGES) & 1, s)
+        s = warpgroup_mma_wait(num_outstanding=0, deps=(s,))
+    acc, l_i, m_i, s = _key_tiles(acc, l_i, m_i, s, q_tile, k_bufs, v_bufs, k_ready, v_ready, kv_empty, 0, n_unmasked,
+                                  n_tiles, ring, rows, N_K, diagonal, qk_scale, False, SCORES_AHEAD, s_layout, o_layout)
+    acc, l_i, m_i, s = _key_tiles(acc, l_i, m_i, s, q_tile, k_bufs, v_bufs, k_ready, v_ready, kv_empty, n_unmasked,
+                                  n_tiles, n_tiles, ring, rows, N_K, diagonal, qk_scale, True, SCORES_AHEAD, s_layout,
+                                  o_layout)
     mbarrier.arrive(q_empty.index(HALF), count=1)  # the loader may bring the next tile's Q
     # Normalise once. O leaves through its own buffer, once the previous tile's O has left it.
     o = acc / gl.convert_layout(l_i, gl.SliceLayout(1, o_layout))[:, None]
@@ -227,7 +258,8 @@ def _softmax_query_tile(O, LSE, q_smem, o_smem, k_bufs, v_bufs, q_ready, q_empty
 
 @gluon.jit
 def _softmax_partition(O, LSE, q_smem, o_smem, k_bufs, v_bufs, q_ready, q_empty, k_ready, v_ready, kv_empty, n_units,
-                       n_pairs, n_query_tiles, H, N_Q, N_K, qk_scale, IS_CAUSAL: gl.constexpr, HALF: gl.constexpr):
+                       n_pairs, n_query_tiles, H, N_Q, N_K, qk_scale, IS_CAUSAL: gl.constexpr, HALF: gl.constexpr,
+                       SCORES_AHEAD: gl.constexpr):
     """One warpgroup: the program's units in turn, as the loader takes them (_load_partition)."""
     BLOCK_M: gl.constexpr = q_smem.shape[3]
     ring = 0
@@ -236,26 +268,12 @@ def _softmax_partition(O, LSE, q_smem, o_smem, k_bufs, v_bufs, q_ready, q_empty,
         b, h, mirror_start, start = _unit(unit, n_pairs, n_query_tiles, H, 2 * BLOCK_M)
         ring, tiles_done = _softmax_query_tile(O, LSE, q_smem, o_smem, k_bufs, v_bufs, q_ready, q_empty, k_ready,
                                                v_ready, kv_empty, b, h, H, mirror_start, N_Q, N_K, qk_scale, ring,
-                                               tiles_done, IS_CAUSAL, HALF)
+                                               tiles_done, IS_CAUSAL, HALF, SCORES_AHEAD)
         if start != mirror_start:
             ring, tiles_done = _softmax_query_tile(O, LSE, q_smem, o_smem, k_bufs, v_bufs, q_ready, q_empty, k_ready,
                                                    v_ready, kv_empty, b, h, H, start, N_Q, N_K, qk_scale, ring,
-                                                   tiles_done, IS_CAUSAL, HALF)
+                                                   tiles_done, IS_CAUSAL, HALF, SCORES_AHEAD)
     tma.store_wait(pendings=0)
-
-
-@gluon.jit
-def _first_half(O, LSE, q_smem, o_smem, k_bufs, v_bufs, q_ready, q_empty, k_ready, v_ready, kv_empty, n_units, n_pairs,
-                n_query_tiles, H, N_Q, N_K, qk_scale, IS_CAUSAL: gl.constexpr):
-    _softmax_partition(O, LSE, q_smem, o_smem, k_bufs, v_bufs, q_ready, q_empty, k_ready, v_ready, kv_empty, n_units,
-                       n_pairs, n_query_tiles, H, N_Q, N_K, qk_scale, IS_CAUSAL, 0)
-
-
-@gluon.jit
-def _second_half(O, LSE, q_smem, o_smem, k_bufs, v_bufs, q_ready, q_empty, k_ready, v_ready, kv_empty, n_units,
-                 n_pairs, n_query_tiles, H, N_Q, N_K, qk_scale, IS_CAUSAL: gl.constexpr):
-    _softmax_partition(O, LSE, q_smem, o_smem, k_bufs, v_bufs, q_ready, q_empty, k_ready, v_ready, kv_empty, n_units,
-                       n_pairs, n_query_tiles, H, N_Q, N_K, qk_scale, IS_CAUSAL, 1)
 
 
 @gluon.jit
@@ -264,8 +282,8 @@ def _attn_fwd_warp_specialized(Q, K, V, O, LSE,
                                stride_vb, stride_vh, stride_vn, stride_ob, stride_oh, stride_on,
                                B, H, N_Q, N_K, qk_scale,
                                IS_CAUSAL: gl.constexpr, HEAD_DIM: gl.constexpr, BLOCK_M: gl.constexpr,
-                               BLOCK_N: gl.constexpr, STAGES: gl.constexpr, SOFTMAX_REGISTERS: gl.constexpr,
-                               LOAD_REGISTERS: gl.constexpr):
+                               BLOCK_N: gl.constexpr, STAGES: gl.constexpr, SCORES_AHEAD: gl.constexpr,
+                               SOFTMAX_REGISTERS: gl.constexpr, LOAD_REGISTERS: gl.constexpr):
     q_matrices = _tensor_matrices(Q, B, H, N_Q, stride_qb, stride_qh, stride_qn, BLOCK_M, HEAD_DIM)
     k_matrices = _tensor_matrices(K, B, H, N_K, stride_kb, stride_kh, stride_kn, BLOCK_N, HEAD_DIM)
     v_matrices = _tensor_matrices(V, B, H, N_K, stride_vb, stride_vh, stride_vn, BLOCK_N, HEAD_DIM)
@@ -291,13 +309,20 @@ def _attn_fwd_warp_specialized(Q, K, V, O, LSE,
         mbarrier.init(v_ready.index(slot), count=1)
         mbarrier.init(kv_empty.index(slot), count=2)  # one arrival from each softmax partition
 
-    softmax_args = (o_matrices, LSE, q_smem, o_smem, k_bufs, v_bufs, q_ready, q_empty, k_ready, v_ready, kv_empty,
-                    n_units, n_pairs, n_query_tiles, H, N_Q, N_K, qk_scale, IS_CAUSAL)
-    load_args = (q_matrices, k_matrices, v_matrices, q_smem, k_bufs, v_bufs, q_ready, q_empty, k_ready, v_ready,
-                 kv_empty, n_units, n_pairs, n_query_tiles, H, N_K, IS_CAUSAL)
-    # The first partition runs in the kernel's own num_warps = 4 warps; the others in theirs.
-    gl.warp_specialize([(_first_half, softmax_args), (_second_half, softmax_args), (_load_partition, load_args)],
-                       [4, 1], [SOFTMAX_REGISTERS, LOAD_REGISTERS])
+    # The argument tuples are written in the call: a tuple assigned to a name first turns its
+    # constants into runtime values, and the partitions would then compile both sides of every
+    # branch on them. The first partition runs in the kernel's own num_warps = 4 warps; the others
+    # in theirs.
+    gl.warp_specialize([
+        (_softmax_partition, (o_matrices, LSE, q_smem, o_smem, k_bufs, v_bufs, q_ready, q_empty, k_ready, v_ready,
+                              kv_empty, n_units, n_pairs, n_query_tiles, H, N_Q, N_K, qk_scale, IS_CAUSAL, 0,
+                              SCORES_AHEAD)),
+        (_softmax_partition, (o_matrices, LSE, q_smem, o_smem, k_bufs, v_bufs, q_ready, q_empty, k_ready, v_ready,
+                              kv_empty, n_units, n_pairs, n_query_tiles, H, N_Q, N_K, qk_scale, IS_CAUSAL, 1,
+                              SCORES_AHEAD)),
+        (_load_partition, (q_matrices, k_matrices, v_matrices, q_smem, k_bufs, v_bufs, q_ready, q_empty, k_ready,
+                           v_ready, kv_empty, n_units, n_pairs, n_query_tiles, H, N_K, IS_CAUSAL)),
+    ], [4, 1], [SOFTMAX_REGISTERS, LOAD_REGISTERS])
 
 
 def gluon_forward(q, k, v, o, lse, is_causal):

@@ -578,7 +578,7 @@ def test_warp_specialized_forward_serves_only_compiled_hopper_kernels():
     """gluon_forward.py's kernel has no interpreter path: off a Hopper card (here, on the CPU)
     flash_forward keeps _attn_fwd even at the shape the kernel serves on Hopper."""
     for head_dim, is_causal in gluon_forward.TILES:
-        q = torch.randn(1, 2, gluon_forward.MIN_KEYS, head_dim, dtype=torch.bfloat16)
+        q = torch.randn(1, 2, gluon_forward.MIN_KEYS[head_dim, is_causal], head_dim, dtype=torch.bfloat16)
         assert not gluon_forward.serves(q, q, is_causal)
 
 
@@ -633,14 +633,33 @@ def test_gpu_every_tile_config_is_correct(head_dim, is_causal, dtype, heads_firs
 SERVED = pytest.mark.parametrize("head_dim,is_causal", list(gluon_forward.TILES))
 
 
+@pytest.fixture
+def gluon_from_256_keys(monkeypatch):
+    """flash_forward sends the warp-specialised kernel every call it can take from 256 keys, so
+    the tests below check it on short sequences too, where it is not served for speed
+    (gluon_forward.MIN_KEYS)."""
+    monkeypatch.setattr(gluon_forward, "MIN_KEYS", dict.fromkeys(gluon_forward.MIN_KEYS, 256))
+
+
+@gpu
+def test_gpu_warp_specialized_forward_is_served_from_its_min_keys():
+    """flash_forward takes the warp-specialised kernel at each entry of TILES from that entry's
+    MIN_KEYS keys, and keeps triton_forward.py's kernel one key short of it."""
+    if not gluon_forward.is_hopper(torch.device("cuda")):
+        pytest.skip("the warp-specialised forward is Hopper's")
+    for (head_dim, is_causal), min_keys in gluon_forward.MIN_KEYS.items():
+        for n_k, served in ((min_keys - 1, False), (min_keys, True)):
+            q = torch.randn(1, 2, n_k, head_dim, device="cuda", dtype=torch.bfloat16)
+            assert gluon_forward.serves(q, q, is_causal) == served, (head_dim, is_causal, n_k)
+
+
 @gpu
 @pytest.mark.parametrize("dtype", [torch.bfloat16, torch.float16])
 @SERVED
 @pytest.mark.parametrize("n_q,n_k", [(2049, 2049), (300, 4097), (5000, 2048), (1, 3001), (257, 257)])
-def test_gpu_warp_specialized_forward(n_q, n_k, head_dim, is_causal, dtype):
+def test_gpu_warp_specialized_forward(n_q, n_k, head_dim, is_causal, dtype, gluon_from_256_keys):
     """gluon_forward.py's kernel, which flash_forward runs on Hopper at the head dims and masks
-    of its TILES from MIN_KEYS keys: O and lse against float64, on views of one projection when
-    N_q = N_k."""
+    of its TILES: O and lse against float64, on views of one projection when N_q = N_k."""
     if not gluon_forward.is_hopper(torch.device("cuda")):
         pytest.skip("the warp-specialised forward is Hopper's")
     B, H, D = 2, 3, head_dim
@@ -660,7 +679,7 @@ def test_gpu_warp_specialized_forward(n_q, n_k, head_dim, is_causal, dtype):
 
 @gpu
 @SERVED
-def test_gpu_warp_specialized_forward_takes_units_in_turn(head_dim, is_causal):
+def test_gpu_warp_specialized_forward_takes_units_in_turn(head_dim, is_causal, gluon_from_256_keys):
     """gluon_forward.py's kernel with many more units of work than the GPU has SMs, so each
     program takes several in turn, and 9 query tiles per head, so one unit is a middle tile that
     is its own mirror."""
@@ -679,12 +698,12 @@ def test_gpu_warp_specialized_forward_takes_units_in_turn(head_dim, is_causal):
 
 @gpu
 @SERVED
-def test_gpu_warp_specialized_forward_in_the_packed_path(head_dim, is_causal):
+def test_gpu_warp_specialized_forward_in_the_packed_path(head_dim, is_causal, gluon_from_256_keys):
     """The model's route (packed_attention, O written with (B, N, H, D) strides) with the
     warp-specialised forward and triton_backward.py's backward after it, against float64."""
     if not gluon_forward.is_hopper(torch.device("cuda")):
         pytest.skip("the warp-specialised forward is Hopper's")
-    qkv = torch.randn(2, gluon_forward.MIN_KEYS + 1, 3, 2, head_dim, device="cuda", dtype=torch.bfloat16,
+    qkv = torch.randn(2, 257, 3, 2, head_dim, device="cuda", dtype=torch.bfloat16,
                       generator=torch.Generator(device="cuda").manual_seed(17))
     q, k, _ = (t.transpose(1, 2) for t in qkv.unbind(2))
     assert gluon_forward.serves(q, k, is_causal)
