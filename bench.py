@@ -22,13 +22,14 @@ import statistics
 import time
 from concurrent.futures import ProcessPoolExecutor
 from dataclasses import replace
+from unittest import mock
 from multiprocessing import get_context
 
 import torch
 import torch.nn.functional as F
 from torch.nn.attention import SDPBackend, sdpa_kernel
 
-from attention import BACKENDS, attention, packed_attention
+from attention import BACKENDS, attention, gluon_forward, packed_attention
 from attention.triton_backward import backward_smem_rows, flash_backward
 from attention.triton_launch import shared_memory_bytes, shared_memory_limit
 from attention.triton_forward import FORWARD_CONFIGS, flash_forward, forward_smem_rows
@@ -241,7 +242,8 @@ def sweep_configs(out):
 
 def optimisation_ladder(out):
     """The forward at docs/optimisation.md's fixed shape (B=4, H=16, N=4096, D=64, causal, bf16),
-    one knob at a time from the seed's 16x16 tiles to the autotuned kernel."""
+    one knob at a time from the seed's 16x16 tiles to the autotuned kernel, then (on Hopper) the
+    warp-specialised Gluon kernel that flash_forward runs there."""
     shape = dict(B=4, H=16, N=4096, D=64, causal=True, dtype="bfloat16")
     _, q, k, v = make_inputs(shape, requires_grad=False)
     steps = [("seed's tiles: 16x16, no pipelining, cp.async path", (16, 16, 4, 1, False)),
@@ -255,8 +257,13 @@ def optimisation_ladder(out):
         config = triton.Config(dict(BLOCK_M=bm, BLOCK_N=bn, USE_TMA=tma), num_warps=w, num_stages=s)
         ms = triton.testing.do_bench(lambda: flash_forward(q, k, v, True, config=config), rep=100, return_mode="median")
         rows.append(dict(step=label, config=str(config), ms=ms, tflops=flops(shape, "fwd") / ms / 1e9))
-    ms = triton.testing.do_bench(lambda: flash_forward(q, k, v, True), rep=100, return_mode="median")
-    rows.append(dict(step="autotuned (the shipped kernel)", config="", ms=ms, tflops=flops(shape, "fwd") / ms / 1e9))
+    with mock.patch.object(gluon_forward, "serves", lambda *args: False):  # triton_forward.py's kernel, tuned
+        ms = triton.testing.do_bench(lambda: flash_forward(q, k, v, True), rep=100, return_mode="median")
+    rows.append(dict(step="autotuned Triton kernel", config="", ms=ms, tflops=flops(shape, "fwd") / ms / 1e9))
+    if gluon_forward.serves(q, k, True):
+        ms = triton.testing.do_bench(lambda: flash_forward(q, k, v, True), rep=100, return_mode="median")
+        rows.append(dict(step="warp-specialised Gluon kernel (Hopper)", config=str(gluon_forward.TILES[64, True]),
+                         ms=ms, tflops=flops(shape, "fwd") / ms / 1e9))
     for name in SDPA_BACKENDS:
         ms = triton.testing.do_bench(lambda: run_provider(name, q, k, v, True), rep=100, return_mode="median")
         rows.append(dict(step=name, config="", ms=ms, tflops=flops(shape, "fwd") / ms / 1e9))

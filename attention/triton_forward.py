@@ -122,9 +122,10 @@ def flash_forward(q, k, v, is_causal, config=None, out=None):
     if o.numel() == 0:
         return o, lse
     if config is None and not traced(q) and gluon_forward.serves(q, k, is_causal):
-        # Hopper, head dim 128 (and 64 without the mask): the warp-specialised kernel measured
-        # faster there. A traced call stays with _attn_fwd: torch.compile records launches
-        # through wrap_triton, which we have not tried with a Gluon kernel.
+        # Hopper, at the head dims, masks and lengths of gluon_forward.TILES and MIN_KEYS: the
+        # warp-specialised kernel measured faster there. A traced call stays with _attn_fwd:
+        # torch.compile records launches through wrap_triton, which we have not tried with a
+        # Gluon kernel.
         gluon_forward.gluon_forward(q, k, v, o, lse, is_causal)
         return o, lse
     args = (q, k, v, o, lse, *q.stride()[:3], *k.stride()[:3], *v.stride()[:3], *o.stride()[:3],
