@@ -41,7 +41,7 @@ from triton.experimental.gluon.language.nvidia.hopper import (fence_async_shared
                                                              warpgroup_mma_wait)
 
 from .triton_launch import INTERPRETING, set_tma_scratch_allocator
-from .triton_tiles import LN_2, LOG2_E, key_tile_bounds
+from .triton_tiles import LN_2, LOG2_E, key_tile_bounds, visible_in_tile
 
 # The (head dim, causal) calls this kernel measured faster on, and its constants for each:
 # BLOCK_M query rows per softmax partition, BLOCK_N keys per tile, STAGES ring slots, and
@@ -168,8 +168,8 @@ def _issue_scores(q_tile, k_bufs, k_ready, slot, phase, no_scores):
 
 @gluon.jit
 def _key_tiles(acc, l_i, m_i, s, q_tile, k_bufs, v_bufs, k_ready, v_ready, kv_empty, first, last, n_tiles, ring, rows,
-               N_K, diagonal, qk_scale, MASKED: gl.constexpr, SCORES_AHEAD: gl.constexpr, s_layout: gl.constexpr,
-               o_layout: gl.constexpr):
+               N_K, qk_scale, IS_CAUSAL: gl.constexpr, MASKED: gl.constexpr, SCORES_AHEAD: gl.constexpr,
+               s_layout: gl.constexpr, o_layout: gl.constexpr):
     """triton_forward._fwd_key_tiles with the ring: the online-softmax update over key tiles
     [first, last) of the query tile's n_tiles, tile j read from slot (ring + j) % STAGES and
     released once P V is done with it. A step waits for the tensor cores twice, for S_j and for
@@ -189,9 +189,9 @@ def _key_tiles(acc, l_i, m_i, s, q_tile, k_bufs, v_bufs, k_ready, v_ready, kv_em
         if not SCORES_AHEAD:
             s = _issue_scores(q_tile, k_bufs, k_ready, slot, phase, no_scores)
             s = warpgroup_mma_wait(num_outstanding=0, deps=(s,))
-        if MASKED:  # keys past N_K, and after the row's own when causal (diagonal = 0; N_K otherwise)
+        if MASKED:  # keys past N_K, and after the row's own when causal
             cols = j * BLOCK_N + gl.arange(0, BLOCK_N, layout=gl.SliceLayout(0, s_layout))
-            s = gl.where((cols[None, :] < N_K) & (cols[None, :] <= rows[:, None] + diagonal), s, float("-inf"))
+            s = gl.where(visible_in_tile(rows[:, None], cols[None, :], N_K, IS_CAUSAL), s, float("-inf"))
         m_new = gl.maximum(m_i, gl.max(s, 1) * qk_scale)  # running max of base-2 logits
         p = gl.exp2(s * qk_scale - m_new[:, None])
         alpha = gl.exp2(m_i - m_new)
@@ -226,7 +226,6 @@ def _softmax_query_tile(O, LSE, q_smem, o_smem, k_bufs, v_bufs, q_ready, q_empty
     o_layout: gl.constexpr = gl.NVMMADistributedLayout(version=[3, 0], warps_per_cta=[4, 1],
                                                        instr_shape=[16, HEAD_DIM, 16])
     n_unmasked, n_tiles = _key_tile_counts(start_m, N_K, IS_CAUSAL, 2 * BLOCK_M, BLOCK_N)
-    diagonal = 0 if IS_CAUSAL else N_K
     row_start = start_m + HALF * BLOCK_M
     rows = row_start + gl.arange(0, BLOCK_M, layout=gl.SliceLayout(1, s_layout))
     m_i = gl.full([BLOCK_M], float("-inf"), gl.float32, gl.SliceLayout(1, s_layout))
@@ -239,10 +238,11 @@ def _softmax_query_tile(O, LSE, q_smem, o_smem, k_bufs, v_bufs, q_ready, q_empty
         s = _issue_scores(q_tile, k_bufs, k_ready, ring % STAGES, (ring // STAGES) & 1, s)
         s = warpgroup_mma_wait(num_outstanding=0, deps=(s,))
     acc, l_i, m_i, s = _key_tiles(acc, l_i, m_i, s, q_tile, k_bufs, v_bufs, k_ready, v_ready, kv_empty, 0, n_unmasked,
-                                  n_tiles, ring, rows, N_K, diagonal, qk_scale, False, SCORES_AHEAD, s_layout, o_layout)
-    acc, l_i, m_i, s = _key_tiles(acc, l_i, m_i, s, q_tile, k_bufs, v_bufs, k_ready, v_ready, kv_empty, n_unmasked,
-                                  n_tiles, n_tiles, ring, rows, N_K, diagonal, qk_scale, True, SCORES_AHEAD, s_layout,
+                                  n_tiles, ring, rows, N_K, qk_scale, IS_CAUSAL, False, SCORES_AHEAD, s_layout,
                                   o_layout)
+    acc, l_i, m_i, s = _key_tiles(acc, l_i, m_i, s, q_tile, k_bufs, v_bufs, k_ready, v_ready, kv_empty, n_unmasked,
+                                  n_tiles, n_tiles, ring, rows, N_K, qk_scale, IS_CAUSAL, True, SCORES_AHEAD,
+                                  s_layout, o_layout)
     mbarrier.arrive(q_empty.index(HALF), count=1)  # the loader may bring the next tile's Q
     # Normalise once. O leaves through its own buffer, once the previous tile's O has left it.
     o = acc / gl.convert_layout(l_i, gl.SliceLayout(1, o_layout))[:, None]
