@@ -22,8 +22,8 @@ import statistics
 import time
 from concurrent.futures import ProcessPoolExecutor
 from dataclasses import replace
-from unittest import mock
 from multiprocessing import get_context
+from unittest import mock
 
 import torch
 import torch.nn.functional as F
