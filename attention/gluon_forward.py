@@ -158,11 +158,13 @@ def _load_partition(Q, K, V, q_smem, k_bufs, v_bufs, q_ready, q_empty, k_ready, 
 
 
 @gluon.jit
-def _issue_scores(q_tile, k_bufs, k_ready, slot, phase, no_scores):
-    """Start S = Q K^T on the tensor cores for the key tile in ring slot `slot`, once its K has
-    landed (the slot's phase-th fill). The caller waits for it (warpgroup_mma_wait)."""
+def _issue_scores(q_tile, k_bufs, k_ready, index, no_scores):
+    """Start S = Q K^T on the tensor cores for the key tile at ring position `index`, once its K
+    has landed. The caller waits for it (warpgroup_mma_wait)."""
+    STAGES: gl.constexpr = k_bufs.shape[0]
+    slot = index % STAGES
     k_tile = k_bufs.index(slot).reshape([k_bufs.shape[3], k_bufs.shape[4]])
-    mbarrier.wait(k_ready.index(slot), phase)
+    mbarrier.wait(k_ready.index(slot), (index // STAGES) & 1)
     return warpgroup_mma(q_tile, k_tile.permute((1, 0)), no_scores, use_acc=False, is_async=True)
 
 
@@ -187,7 +189,7 @@ def _key_tiles(acc, l_i, m_i, s, q_tile, k_bufs, v_bufs, k_ready, v_ready, kv_em
         phase = ((ring + j) // STAGES) & 1
         v_tile = v_bufs.index(slot).reshape([BLOCK_N, HEAD_DIM])
         if not SCORES_AHEAD:
-            s = _issue_scores(q_tile, k_bufs, k_ready, slot, phase, no_scores)
+            s = _issue_scores(q_tile, k_bufs, k_ready, ring + j, no_scores)
             s = warpgroup_mma_wait(num_outstanding=0, deps=(s,))
         if MASKED:  # keys past N_K, and after the row's own when causal
             cols = j * BLOCK_N + gl.arange(0, BLOCK_N, layout=gl.SliceLayout(0, s_layout))
@@ -201,8 +203,7 @@ def _key_tiles(acc, l_i, m_i, s, q_tile, k_bufs, v_bufs, k_ready, v_ready, kv_em
         mbarrier.wait(v_ready.index(slot), phase)
         pv = warpgroup_mma(gl.convert_layout(p.to(q_tile.dtype), p_layout), v_tile, acc, is_async=True)
         if SCORES_AHEAD and j + 1 < n_tiles:
-            s_next = _issue_scores(q_tile, k_bufs, k_ready, (ring + j + 1) % STAGES, ((ring + j + 1) // STAGES) & 1,
-                                   no_scores)
+            s_next = _issue_scores(q_tile, k_bufs, k_ready, ring + j + 1, no_scores)
             acc, s = warpgroup_mma_wait(num_outstanding=0, deps=(pv, s_next))
         else:  # s keeps its stale value: a new one here measured slower (docs/optimisation.md)
             acc = warpgroup_mma_wait(num_outstanding=0, deps=(pv,))
@@ -219,7 +220,6 @@ def _softmax_query_tile(O, LSE, q_smem, o_smem, k_bufs, v_bufs, q_ready, q_empty
     BLOCK_M: gl.constexpr = q_smem.shape[3]
     HEAD_DIM: gl.constexpr = q_smem.shape[4]
     BLOCK_N: gl.constexpr = k_bufs.shape[3]
-    STAGES: gl.constexpr = k_bufs.shape[0]
     # Where wgmma leaves its results: 4 warps down the rows, instructions 16 rows by a tile's width.
     s_layout: gl.constexpr = gl.NVMMADistributedLayout(version=[3, 0], warps_per_cta=[4, 1],
                                                        instr_shape=[16, BLOCK_N, 16])
@@ -235,7 +235,7 @@ def _softmax_query_tile(O, LSE, q_smem, o_smem, k_bufs, v_bufs, q_ready, q_empty
     q_tile = q_smem.index(HALF).reshape([BLOCK_M, HEAD_DIM])
     mbarrier.wait(q_ready.index(HALF), tiles_done & 1)
     if SCORES_AHEAD:  # the first key tile's scores; each step of _key_tiles issues the next one's
-        s = _issue_scores(q_tile, k_bufs, k_ready, ring % STAGES, (ring // STAGES) & 1, s)
+        s = _issue_scores(q_tile, k_bufs, k_ready, ring, s)
         s = warpgroup_mma_wait(num_outstanding=0, deps=(s,))
     acc, l_i, m_i, s = _key_tiles(acc, l_i, m_i, s, q_tile, k_bufs, v_bufs, k_ready, v_ready, kv_empty, 0, n_unmasked,
                                   n_tiles, ring, rows, N_K, qk_scale, IS_CAUSAL, False, SCORES_AHEAD, s_layout,
