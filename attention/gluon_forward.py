@@ -12,9 +12,10 @@ own layouts, shared-memory buffers, barriers and warp roles:
 - The load partition (one warp) loads each query tile's Q, then streams its K and V tiles
   through TMA into a ring of STAGES shared-memory slots. Each slot has three mbarriers: k_ready
   and v_ready (the copy landed) and kv_empty (both softmax partitions are done with it).
-  Running ahead, it brings the next tile's Q and first K/V tiles while the softmax partitions
-  finish the last one: a program pays the loads' latency once, not once per query tile, which
-  is what made short sequences slow when each program did one tile.
+  Q has two buffers per half, so the loader brings the next query tile's Q while the softmax
+  partitions still read this one's keys, and its first K/V tiles as soon as ring slots free up:
+  a program pays the loads' latency once, not once per query tile, which is what made short
+  sequences slow when each program did one tile.
 - Two softmax partitions (a warpgroup each) own BLOCK_M query rows each. Each runs
   triton_forward.py's online softmax over the same K/V tiles on its own, with the tensor cores'
   asynchronous warpgroup MMA (wgmma). While one waits for its matrix multiply, the warp
@@ -51,8 +52,8 @@ TILES = {(128, False): dict(BLOCK_M=64, BLOCK_N=128, STAGES=2, SCORES_AHEAD=True
          (64, False): dict(BLOCK_M=64, BLOCK_N=256, STAGES=2, SCORES_AHEAD=False),
          (64, True): dict(BLOCK_M=64, BLOCK_N=128, STAGES=2, SCORES_AHEAD=True)}
 # The fewest keys it serves each from: the shortest length measured, or at head dim 64 causal
-# where it caught up with triton_forward.py's kernel (level at 2,048 keys, behind at 1,024).
-MIN_KEYS = {(128, False): 256, (128, True): 256, (64, False): 256, (64, True): 2048}
+# the shortest where it was compared with triton_forward.py's kernel (faster at 1,024).
+MIN_KEYS = {(128, False): 256, (128, True): 256, (64, False): 256, (64, True): 1024}
 # Registers per thread: the softmax warpgroups need many, the loader few.
 REGISTERS = dict(SOFTMAX_REGISTERS=232, LOAD_REGISTERS=24)
 
@@ -111,6 +112,14 @@ def _key_tile_counts(start_m, N_K, IS_CAUSAL: gl.constexpr, ROWS: gl.constexpr, 
     return unmasked_end // BLOCK_N, gl.cdiv(end, BLOCK_N)
 
 
+@gluon.jit
+def _q_buffer(tiles_done, half):
+    """Where the program's query tile number tiles_done keeps its half `half` of Q: buffer
+    (tile % 2) * 2 + half, and the phase of that buffer's mbarriers for this tile (each buffer
+    serves every other tile)."""
+    return (tiles_done % 2) * 2 + half, (tiles_done // 2) & 1
+
+
 # Each partition reads its tile sizes off the shapes of its shared-memory buffers. Its other
 # constants (IS_CAUSAL, HALF, SCORES_AHEAD) come in its arguments, which stay compile-time only as
 # written in the warp_specialize call (_attn_fwd_warp_specialized).
@@ -118,18 +127,20 @@ def _key_tile_counts(start_m, N_K, IS_CAUSAL: gl.constexpr, ROWS: gl.constexpr, 
 @gluon.jit
 def _load_query_tile(Q, K, V, q_smem, k_bufs, v_bufs, q_ready, q_empty, k_ready, v_ready, kv_empty, b, h, start_m,
                      N_K, ring, tiles_done, IS_CAUSAL: gl.constexpr):
-    """The loader's part of one query tile: its two halves of Q, once the softmax partitions
-    have let go of the previous tile's; then key tile j's K and V into ring slot ring % STAGES."""
+    """The loader's part of one query tile: its two halves of Q into the buffers of query tile
+    tiles_done % 2, once the softmax partitions have let go of the tile before; then key tile
+    j's K and V into ring slot ring % STAGES."""
     BLOCK_M: gl.constexpr = q_smem.shape[3]
     BLOCK_N: gl.constexpr = k_bufs.shape[3]
     STAGES: gl.constexpr = k_bufs.shape[0]
     _, n_tiles = _key_tile_counts(start_m, N_K, IS_CAUSAL, 2 * BLOCK_M, BLOCK_N)
     for half in gl.static_range(2):
+        q_buf, q_phase = _q_buffer(tiles_done, half)
         # An mbarrier's phase flips each time it completes; waiting on the phase before the
         # first passes at once, so the first wait on an "empty" barrier does not block.
-        mbarrier.wait(q_empty.index(half), (tiles_done & 1) ^ 1)
-        mbarrier.expect(q_ready.index(half), Q.block_type.nbytes)
-        tma_load(Q, [b, h, start_m + half * BLOCK_M, 0], q_ready.index(half), q_smem.index(half))
+        mbarrier.wait(q_empty.index(q_buf), q_phase ^ 1)
+        mbarrier.expect(q_ready.index(q_buf), Q.block_type.nbytes)
+        tma_load(Q, [b, h, start_m + half * BLOCK_M, 0], q_ready.index(q_buf), q_smem.index(q_buf))
     for j in range(n_tiles):
         slot = ring % STAGES
         mbarrier.wait(kv_empty.index(slot), ((ring // STAGES) & 1) ^ 1)
@@ -232,8 +243,9 @@ def _softmax_query_tile(O, LSE, q_smem, o_smem, k_bufs, v_bufs, q_ready, q_empty
     l_i = gl.zeros([BLOCK_M], gl.float32, gl.SliceLayout(1, s_layout))
     acc = gl.zeros([BLOCK_M, HEAD_DIM], gl.float32, o_layout)
     s = gl.zeros([BLOCK_M, BLOCK_N], gl.float32, s_layout)
-    q_tile = q_smem.index(HALF).reshape([BLOCK_M, HEAD_DIM])
-    mbarrier.wait(q_ready.index(HALF), tiles_done & 1)
+    q_buf, q_phase = _q_buffer(tiles_done, HALF)
+    q_tile = q_smem.index(q_buf).reshape([BLOCK_M, HEAD_DIM])
+    mbarrier.wait(q_ready.index(q_buf), q_phase)
     if SCORES_AHEAD:  # the first key tile's scores; each step of _key_tiles issues the next one's
         s = _issue_scores(q_tile, k_bufs, k_ready, ring, s)
         s = warpgroup_mma_wait(num_outstanding=0, deps=(s,))
@@ -243,7 +255,7 @@ def _softmax_query_tile(O, LSE, q_smem, o_smem, k_bufs, v_bufs, q_ready, q_empty
     acc, l_i, m_i, s = _key_tiles(acc, l_i, m_i, s, q_tile, k_bufs, v_bufs, k_ready, v_ready, kv_empty, n_unmasked,
                                   n_tiles, n_tiles, ring, rows, N_K, qk_scale, IS_CAUSAL, True, SCORES_AHEAD,
                                   s_layout, o_layout)
-    mbarrier.arrive(q_empty.index(HALF), count=1)  # the loader may bring the next tile's Q
+    mbarrier.arrive(q_empty.index(q_buf), count=1)  # the loader may bring the tile after next's Q
     # Normalise once. O leaves through its own buffer, once the previous tile's O has left it.
     o = acc / gl.convert_layout(l_i, gl.SliceLayout(1, o_layout))[:, None]
     tma.store_wait(pendings=0)
@@ -292,18 +304,20 @@ def _attn_fwd_warp_specialized(Q, K, V, O, LSE,
     n_pairs = gl.cdiv(n_query_tiles, 2)
     n_units = B * H * n_pairs
 
-    q_smem = gl.allocate_shared_memory(Q.dtype.element_ty, [2, 1, 1, BLOCK_M, HEAD_DIM], q_matrices.layout)
+    # Q: two query tiles' halves (_q_buffer), so that the loader brings the next tile's while this
+    # one's keys are still being read.
+    q_smem = gl.allocate_shared_memory(Q.dtype.element_ty, [4, 1, 1, BLOCK_M, HEAD_DIM], q_matrices.layout)
     o_smem = gl.allocate_shared_memory(O.dtype.element_ty, [2, 1, 1, BLOCK_M, HEAD_DIM], o_matrices.layout)
     k_bufs = gl.allocate_shared_memory(K.dtype.element_ty, [STAGES, 1, 1, BLOCK_N, HEAD_DIM], k_matrices.layout)
     v_bufs = gl.allocate_shared_memory(V.dtype.element_ty, [STAGES, 1, 1, BLOCK_N, HEAD_DIM], v_matrices.layout)
-    q_ready = gl.allocate_shared_memory(gl.int64, [2, 1], mbarrier.MBarrierLayout())
-    q_empty = gl.allocate_shared_memory(gl.int64, [2, 1], mbarrier.MBarrierLayout())
+    q_ready = gl.allocate_shared_memory(gl.int64, [4, 1], mbarrier.MBarrierLayout())
+    q_empty = gl.allocate_shared_memory(gl.int64, [4, 1], mbarrier.MBarrierLayout())
     k_ready = gl.allocate_shared_memory(gl.int64, [STAGES, 1], mbarrier.MBarrierLayout())
     v_ready = gl.allocate_shared_memory(gl.int64, [STAGES, 1], mbarrier.MBarrierLayout())
     kv_empty = gl.allocate_shared_memory(gl.int64, [STAGES, 1], mbarrier.MBarrierLayout())
-    for half in gl.static_range(2):
-        mbarrier.init(q_ready.index(half), count=1)
-        mbarrier.init(q_empty.index(half), count=1)
+    for q_buf in gl.static_range(4):
+        mbarrier.init(q_ready.index(q_buf), count=1)
+        mbarrier.init(q_empty.index(q_buf), count=1)
     for slot in gl.static_range(STAGES):
         mbarrier.init(k_ready.index(slot), count=1)
         mbarrier.init(v_ready.index(slot), count=1)
