@@ -115,8 +115,8 @@ def _key_tile_counts(start_m, N_K, IS_CAUSAL: gl.constexpr, ROWS: gl.constexpr, 
 @gluon.jit
 def _q_buffer(tiles_done, half):
     """Where the program's query tile number tiles_done keeps its half `half` of Q: buffer
-    (tile % 2) * 2 + half, and the phase of that buffer's mbarriers for this tile (each buffer
-    serves every other tile)."""
+    (tiles_done % 2) * 2 + half, and the phase of that buffer's mbarriers for this tile (each
+    buffer serves every other tile)."""
     return (tiles_done % 2) * 2 + half, (tiles_done // 2) & 1
 
 
