@@ -113,6 +113,13 @@ def _key_tile_counts(start_m, N_K, IS_CAUSAL: gl.constexpr, ROWS: gl.constexpr, 
 
 
 @gluon.jit
+def _ring_slot(index, STAGES: gl.constexpr):
+    """Where the K/V ring keeps the program's key tile number `index`: slot index % STAGES, and
+    the phase of that slot's mbarriers for this tile (each slot serves every STAGES-th tile)."""
+    return index % STAGES, (index // STAGES) & 1
+
+
+@gluon.jit
 def _q_buffer(tiles_done, half):
     """Where the program's query tile number tiles_done keeps its half `half` of Q: buffer
     (tiles_done % 2) * 2 + half, and the phase of that buffer's mbarriers for this tile (each
@@ -142,8 +149,8 @@ def _load_query_tile(Q, K, V, q_smem, k_bufs, v_bufs, q_ready, q_empty, k_ready,
         mbarrier.expect(q_ready.index(q_buf), Q.block_type.nbytes)
         tma_load(Q, [b, h, start_m + half * BLOCK_M, 0], q_ready.index(q_buf), q_smem.index(q_buf))
     for j in range(n_tiles):
-        slot = ring % STAGES
-        mbarrier.wait(kv_empty.index(slot), ((ring // STAGES) & 1) ^ 1)
+        slot, phase = _ring_slot(ring, STAGES)
+        mbarrier.wait(kv_empty.index(slot), phase ^ 1)
         mbarrier.expect(k_ready.index(slot), K.block_type.nbytes)
         tma_load(K, [b, h, j * BLOCK_N, 0], k_ready.index(slot), k_bufs.index(slot))
         mbarrier.expect(v_ready.index(slot), V.block_type.nbytes)
@@ -173,9 +180,9 @@ def _issue_scores(q_tile, k_bufs, k_ready, index, no_scores):
     """Start S = Q K^T on the tensor cores for the key tile at ring position `index`, once its K
     has landed. The caller waits for it (warpgroup_mma_wait)."""
     STAGES: gl.constexpr = k_bufs.shape[0]
-    slot = index % STAGES
+    slot, phase = _ring_slot(index, STAGES)
     k_tile = k_bufs.index(slot).reshape([k_bufs.shape[3], k_bufs.shape[4]])
-    mbarrier.wait(k_ready.index(slot), (index // STAGES) & 1)
+    mbarrier.wait(k_ready.index(slot), phase)
     return warpgroup_mma(q_tile, k_tile.permute((1, 0)), no_scores, use_acc=False, is_async=True)
 
 
@@ -196,8 +203,7 @@ def _key_tiles(acc, l_i, m_i, s, q_tile, k_bufs, v_bufs, k_ready, v_ready, kv_em
     p_layout: gl.constexpr = gl.DotOperandLayout(operand_index=0, parent=o_layout, k_width=2)
     no_scores = gl.zeros([BLOCK_M, BLOCK_N], gl.float32, s_layout)
     for j in range(first, last):
-        slot = (ring + j) % STAGES
-        phase = ((ring + j) // STAGES) & 1
+        slot, phase = _ring_slot(ring + j, STAGES)
         v_tile = v_bufs.index(slot).reshape([BLOCK_N, HEAD_DIM])
         if not SCORES_AHEAD:
             s = _issue_scores(q_tile, k_bufs, k_ready, ring + j, no_scores)
