@@ -33,6 +33,7 @@ The files, in reading order:
   triton_forward.py      the forward kernel
   gluon_forward.py       the forward warp-specialised and persistent in Gluon, for Hopper (gluon_forward.TILES)
   triton_backward.py     the backward kernels: delta, then both passes in one launch
+  gluon_backward.py      the backward warp-specialised in Gluon, for Hopper at long sequences: dQ by TMA's reduce
   triton_ops.py          the kernels as torch.library custom operators, with their autograd
   triton_launch.py       the host side of a launch: layouts, device checks, config tuning
   recompute_backward.py  triton_fwd's backward, the step before the FlashAttention-2 backward

@@ -114,8 +114,9 @@ def _key_tile_counts(start_m, N_K, IS_CAUSAL: gl.constexpr, ROWS: gl.constexpr, 
 
 @gluon.jit
 def _ring_slot(index, STAGES: gl.constexpr):
-    """Where the K/V ring keeps the program's key tile number `index`: slot index % STAGES, and
-    the phase of that slot's mbarriers for this tile (each slot serves every STAGES-th tile)."""
+    """Where a ring of STAGES slots keeps the program's tile number `index` (here K/V tiles;
+    gluon_backward.py's Q/dO tiles): slot index % STAGES, and the phase of that slot's
+    mbarriers for this tile (each slot serves every STAGES-th tile)."""
     return index % STAGES, (index // STAGES) & 1
 
 

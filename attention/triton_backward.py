@@ -19,7 +19,9 @@ running the launch twice gives the same result (which is what lets TunedKernel t
 the real arguments). FlashAttention-2 and -3 add dQ up with atomics instead, from the dK/dV
 programs; on the H200 that was slower at head dim 128 and within a few percent of this kernel
 at 64 (docs/optimisation.md, "dQ by atomic adds"), so the split stays: deterministic, and one
-code path.
+code path. The exception is Hopper at long sequences: there gluon_backward.py's warp-specialised
+kernel, five multiplies and dQ summed by TMA's reduce, measured faster, and flash_backward sends
+it the calls its serves() names.
 
 tiled_backward.py is this file's twin in PyTorch: delta, then the same two jobs, with the same
 names and tile bounds. The tile helpers both kernels share are in triton_tiles.py.
@@ -28,8 +30,9 @@ import torch
 import triton
 import triton.language as tl
 
+from . import gluon_backward
 from .triton_launch import (INTERPRETING, TunedKernel, dense_strides, descriptor_ready, heads_first, program_grid,
-                            set_tma_scratch_allocator, tuning_key)
+                            set_tma_scratch_allocator, traced, tuning_key)
 from .triton_tiles import (LOG2_E, head_matrix, key_tile_bounds, load_tile, program_tile_and_head, query_tile_bounds,
                            query_tile_start, store_tile, visible_in_tile)
 
@@ -223,7 +226,7 @@ def flash_backward(q, k, v, o, do, lse, is_causal, out=None, config=None):
     projection, its gradient and the q, k, v views of it), else they are new_gradients.
     Why one tensor: compiled, a kernel's writes to views cost copies of their base (five of
     them for a packed gradient, docs/optimisation.md "The compiled route"); to one fresh tensor, none.
-    config: a triton.Config of _attn_bwd to bypass the tuning (tests, bench.py)."""
+    config: a triton.Config of _attn_bwd to bypass the tuning and gluon_backward.py's kernel (tests, bench.py)."""
     B, H, N_Q, D = q.shape
     N_K = k.shape[2]
     grads, dq, dk, dv = out if out is not None else new_gradients(q, k, v)
@@ -241,6 +244,12 @@ def flash_backward(q, k, v, o, do, lse, is_causal, out=None, config=None):
     grid = lambda meta: program_grid(triton.cdiv(N_Q, meta["BLOCK_M"]), B * H, heads_go_first)
     _attn_bwd_delta_launch(grid, key, o, do, delta, *o.stride()[:3], *do.stride()[:3], H, N_Q, HEAD_DIM=D,
                            HEADS_FIRST=heads_go_first)
+    if config is None and not traced(q) and gluon_backward.serves(q, k, is_causal):
+        # Hopper, at the head dims, masks and lengths of gluon_backward.TILES and MIN_KEYS: the
+        # warp-specialised kernel measured faster there. A traced call stays with _attn_bwd, as
+        # flash_forward's does.
+        gluon_backward.gluon_backward(q, k, v, do, lse, delta, is_causal, dq, dk, dv)
+        return dq, dk, dv
 
     sm_scale = D ** -0.5
     offsets = (t.storage_offset() - grads.storage_offset() for t in (dq, dk, dv))

@@ -16,7 +16,7 @@ import torch
 
 from attention import (BACKENDS, FlashAttentionPytorch, attention, packed_attention, triton_attention,
                        triton_fwd_attention)
-from attention import gluon_forward, triton_launch
+from attention import gluon_backward, gluon_forward, triton_launch
 from attention.eager import eager_attention_with_lse
 from attention.inputs import unpack_heads
 from attention.tiled import tiled_forward
@@ -574,12 +574,13 @@ def test_interpreter_warning_names_the_callers_line():
     assert record[0].filename == __file__
 
 
-def test_warp_specialized_forward_serves_only_compiled_hopper_kernels():
-    """gluon_forward.py's kernel has no interpreter path: off a Hopper card (here, on the CPU)
-    flash_forward keeps _attn_fwd even at the shape the kernel serves on Hopper."""
-    for head_dim, is_causal in gluon_forward.TILES:
-        q = torch.randn(1, 2, gluon_forward.MIN_KEYS[head_dim, is_causal], head_dim, dtype=torch.bfloat16)
-        assert not gluon_forward.serves(q, q, is_causal)
+@pytest.mark.parametrize("kernel", [gluon_forward, gluon_backward], ids=lambda m: m.__name__.split(".")[-1])
+def test_warp_specialized_kernels_serve_only_compiled_hopper_kernels(kernel):
+    """The Gluon kernels have no interpreter path: off a Hopper card (here, on the CPU)
+    flash_forward and flash_backward keep the Triton kernels even at the shapes they serve on Hopper."""
+    for head_dim, is_causal in kernel.TILES:
+        q = torch.randn(1, 2, kernel.MIN_KEYS[head_dim, is_causal], head_dim, dtype=torch.bfloat16)
+        assert not kernel.serves(q, q, is_causal)
 
 
 # ---------------------------------------------------------------- GPU (run on the H200)
@@ -707,6 +708,68 @@ def test_gpu_warp_specialized_forward_in_the_packed_path(head_dim, is_causal, gl
                       generator=torch.Generator(device="cuda").manual_seed(17))
     q, k, _ = (t.transpose(1, 2) for t in qkv.unbind(2))
     assert gluon_forward.serves(q, k, is_causal)
+    check_packed("triton", qkv.requires_grad_(), is_causal, GPU_TOLERANCE[torch.bfloat16])
+
+
+BACKWARD_SERVED = pytest.mark.parametrize("head_dim,is_causal", list(gluon_backward.TILES))
+
+
+@pytest.fixture
+def gluon_backward_from_one_key(monkeypatch):
+    """flash_backward sends the warp-specialised backward every call it can take, so the tests
+    below check it on short sequences too (gluon_backward.MIN_KEYS)."""
+    monkeypatch.setattr(gluon_backward, "MIN_KEYS", dict.fromkeys(gluon_backward.MIN_KEYS, 1))
+
+
+@gpu
+def test_gpu_warp_specialized_backward_is_served_from_its_min_keys():
+    """flash_backward takes the warp-specialised kernel at each entry of TILES from that entry's
+    MIN_KEYS keys, and keeps triton_backward.py's kernel one key short of it."""
+    if not gluon_backward.is_hopper(torch.device("cuda")):
+        pytest.skip("the warp-specialised backward is Hopper's")
+    for (head_dim, is_causal), min_keys in gluon_backward.MIN_KEYS.items():
+        for n_k, served in ((min_keys - 1, False), (min_keys, True)):
+            q = torch.randn(1, 2, n_k, head_dim, device="cuda", dtype=torch.bfloat16)
+            assert gluon_backward.serves(q, q, is_causal) == served, (head_dim, is_causal, n_k)
+
+
+@gpu
+@pytest.mark.parametrize("dtype", [torch.bfloat16, torch.float16])
+@BACKWARD_SERVED
+@pytest.mark.parametrize("n_q,n_k", [(2049, 2049), (300, 4097), (5000, 2048), (1, 3001), (100, 100), (129, 257)])
+def test_gpu_warp_specialized_backward(n_q, n_k, head_dim, is_causal, dtype, gluon_backward_from_one_key):
+    """gluon_backward.py's kernel, which flash_backward runs on Hopper at the head dims and
+    masks of its TILES: dQ, dK, dV against float64, on views of one projection when N_q = N_k."""
+    if not gluon_backward.is_hopper(torch.device("cuda")):
+        pytest.skip("the warp-specialised backward is Hopper's")
+    B, H, D = 2, 3, head_dim
+    g = torch.Generator(device="cuda").manual_seed(n_q + n_k)
+    if n_q == n_k:
+        qkv = torch.randn(B, n_q, 3, H, D, device="cuda", dtype=dtype, generator=g)
+        q, k, v = (qkv[:, :, i].transpose(1, 2) for i in range(3))
+    else:
+        q = torch.randn(B, H, n_q, D, device="cuda", dtype=dtype, generator=g)
+        k, v = (torch.randn(B, H, n_k, D, device="cuda", dtype=dtype, generator=g) for _ in range(2))
+    do = torch.randn(B, n_q, H, D, device="cuda", dtype=dtype, generator=g).transpose(1, 2)
+    assert gluon_backward.serves(q, k, is_causal)
+    o, lse = flash_forward(q, k, v, is_causal)
+    dq, dk, dv = flash_backward(q, k, v, o, do, lse, is_causal)
+    _, _, dq_ref, dk_ref, dv_ref = reference(q, k, v, is_causal, do)
+    for name, got, ref in (("dQ", dq, dq_ref), ("dK", dk, dk_ref), ("dV", dv, dv_ref)):
+        assert_close(got, ref, GPU_TOLERANCE[dtype], name)
+
+
+@gpu
+@BACKWARD_SERVED
+def test_gpu_warp_specialized_backward_in_the_packed_path(head_dim, is_causal, gluon_backward_from_one_key):
+    """The model's route (packed_attention: the gradients written into one tensor, as the
+    fused projection's gradient) with the warp-specialised backward, against float64."""
+    if not gluon_backward.is_hopper(torch.device("cuda")):
+        pytest.skip("the warp-specialised backward is Hopper's")
+    qkv = torch.randn(2, 1031, 3, 2, head_dim, device="cuda", dtype=torch.bfloat16,
+                      generator=torch.Generator(device="cuda").manual_seed(19))
+    q, k, _ = (t.transpose(1, 2) for t in qkv.unbind(2))
+    assert gluon_backward.serves(q, k, is_causal)
     check_packed("triton", qkv.requires_grad_(), is_causal, GPU_TOLERANCE[torch.bfloat16])
 
 

@@ -1,6 +1,6 @@
 """Every tile config the code can pick on the 12 GB target card (RTX 4070 Super, sm_89) fits
 its 99 KB of shared memory, and every kernel compiles for sm_89 and for Hopper (sm_90, TMA),
-the Hopper-only Gluon forward (attention/gluon_forward.py) included.
+the Hopper-only Gluon kernels (attention/gluon_forward.py, gluon_backward.py) included.
 
 Triton compiles for a GPU target without a GPU; the compiler reports the shared memory each
 kernel allocates. The prune in attention/triton_launch.py keeps a config when its estimate
@@ -22,8 +22,8 @@ pytestmark = pytest.mark.xdist_group("triton_configs")
 
 HEAD_DIMS = (16, 32, 64, 128)
 HOPPER_SHARED_MEMORY_BYTES = 232448  # the H100's and H200's most per block
-TENSOR_POINTERS = {"Q", "K", "V", "O", "dO", "GRADS"}
-FLOAT32_POINTERS = {"LSE", "DELTA"}
+TENSOR_POINTERS = {"Q", "K", "V", "O", "dO", "GRADS", "dK", "dV"}
+FLOAT32_POINTERS = {"LSE", "DELTA", "DQ"}
 ELEMENT_TYPES = {"bf16": 2, "fp32": 4}
 
 
@@ -53,8 +53,8 @@ def compile_for(kernel, element_type, constexprs, capability, num_warps, num_sta
 def measure():
     """Compile every config for sm_90; for each cp.async config, also compile for sm_89 at the
     largest head dim the estimate admits per element size, and report the compiler's shared
-    memory. Then the Gluon forward for sm_90, with its shared memory."""
-    from attention.gluon_forward import REGISTERS, TILES, _attn_fwd_warp_specialized
+    memory. Then the Gluon kernels for sm_90, with their shared memory."""
+    from attention import gluon_backward, gluon_forward
     from attention.triton_backward import BACKWARD_CONFIGS, _attn_bwd, backward_smem_rows
     from attention.triton_launch import shared_memory_bytes
     from attention.triton_forward import FORWARD_CONFIGS, _attn_fwd, forward_smem_rows
@@ -76,11 +76,15 @@ def measure():
                 compiled = compile_for(kernel, element_type, constexprs, 89, config.num_warps, config.num_stages)
                 results.append(dict(kernel=kernel.__name__, config=str(config), element_type=element_type,
                                     head_dim=max(admitted), shared=compiled.metadata.shared))
-    hopper = []
-    for (head_dim, is_causal), tiles in TILES.items():
-        compiled = compile_for(_attn_fwd_warp_specialized, "bf16",
-                               dict(tiles, **REGISTERS, IS_CAUSAL=is_causal, HEAD_DIM=head_dim), 90, 4, 1, gluon=True)
-        hopper.append(dict(head_dim=head_dim, is_causal=is_causal, shared=compiled.metadata.shared))
+    hopper = {}
+    for module, kernel in ((gluon_forward, gluon_forward._attn_fwd_warp_specialized),
+                           (gluon_backward, gluon_backward._attn_bwd_warp_specialized)):
+        hopper[kernel.__name__] = []
+        for (head_dim, is_causal), tiles in module.TILES.items():
+            compiled = compile_for(kernel, "bf16", dict(tiles, **module.REGISTERS, IS_CAUSAL=is_causal,
+                                                        HEAD_DIM=head_dim), 90, 4, 1, gluon=True)
+            hopper[kernel.__name__].append(dict(head_dim=head_dim, is_causal=is_causal,
+                                                shared=compiled.metadata.shared))
     return dict(ada=results, hopper_gluon=hopper)
 
 
@@ -109,12 +113,15 @@ def test_every_kernel_has_an_ada_config_for_every_head_dim(compiled):
             assert dims and max(dims) == 128, f"{kernel} {element_type}: no config admitted at head dim 128"
 
 
-def test_gluon_forward_compiles_for_hopper(compiled):
-    """The warp-specialised forward compiles for sm_90 with the tiles of every head dim and mask
+@pytest.mark.parametrize("module,kernel", [("gluon_forward", "_attn_fwd_warp_specialized"),
+                                           ("gluon_backward", "_attn_bwd_warp_specialized")])
+def test_gluon_kernels_compile_for_hopper(compiled, module, kernel):
+    """Each warp-specialised kernel compiles for sm_90 with the tiles of every head dim and mask
     it serves, within Hopper's 227 KB of shared memory per block."""
-    from attention.gluon_forward import TILES
-    assert [(r["head_dim"], r["is_causal"]) for r in compiled["hopper_gluon"]] == list(TILES)
-    for r in compiled["hopper_gluon"]:
+    import importlib
+    tiles = importlib.import_module(f"attention.{module}").TILES
+    assert [(r["head_dim"], r["is_causal"]) for r in compiled["hopper_gluon"][kernel]] == list(tiles)
+    for r in compiled["hopper_gluon"][kernel]:
         assert r["shared"] <= HOPPER_SHARED_MEMORY_BYTES, r
 
 

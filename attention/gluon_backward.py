@@ -1,0 +1,323 @@
+"""The FlashAttention backward for Hopper (sm_90), warp-specialised, in Gluon: dK, dV and dQ in
+one kernel, dQ summed by TMA's bulk reduce.
+
+triton_backward.py splits the backward in two jobs so that every program owns its output: one
+walks the query tiles past a key tile for dK and dV, the other the key tiles past a query tile
+for dQ. Both recompute the scores and dP, so a tile pair costs seven matrix multiplies. Here,
+as FlashAttention-2 and -3 do it, one program per key tile computes dK, dV and its key tile's
+share of dQ, five multiplies, and adds that share into a float32 dQ in global memory:
+
+- The grid is one program per (key tile of 2 * BLOCK_N keys, batch-head).
+- The load partition (one warp) brings the key tile's K and V once, a BLOCK_N-row half for
+  each MMA warpgroup, then streams the Q and dO of every query tile that sees the key tile
+  through a ring of STAGES shared-memory slots. Each slot has three mbarriers: q_ready and
+  do_ready (the copy landed) and qdo_empty (both MMA warpgroups are done with it).
+- Two MMA partitions (a warpgroup each) own one half of the key tile each: its dK and dV
+  accumulators (float32) in registers. For each query tile, everything transposed so that the
+  accumulators keep the key tile's shape, as in triton_backward._dkdv_query_tiles:
+      S^T = K Q^T, dP^T = V dO^T, P^T = exp2(S^T - lse), dS^T = P^T (dP^T - delta),
+      dV += P^T dO, dK += dS^T Q.
+  dQ = dS K sums over keys, so it needs both halves' dS^T: each warpgroup writes its dS^T into
+  one shared buffer (mbarrier ds_ready, count 2), then computes half of dQ's columns over all
+  2 * BLOCK_N keys (FlashAttention-3's split: half the registers of a whole dQ tile). Once both
+  products have read the buffer, ds_free lets the next query tile's dS^T in.
+- Each warpgroup's dQ half goes through shared memory to TMA's reduce-add
+  (cp.reduce.async.bulk.tensor .add), which adds it into dQ in float32 in the memory system;
+  the warpgroup goes on with the next query tile meanwhile, into the other of its two staging
+  buffers. gluon_backward() zeroes that dQ before and casts it to q's dtype after: a float32
+  copy of dQ, twice q's bytes, is this kernel's extra memory.
+- At the end dK (times sm_scale) and dV leave through TMA, staged in the K and V buffers.
+
+What the split's two extra products cost, the reduce costs here in traffic: each key tile adds
+a float32 dQ for every query it sees. The reduces land in any order, so unlike
+triton_backward.py, two runs can differ in dQ's last bits. flash_backward (triton_backward.py)
+sends a call here where serves() says so: where this kernel measured faster than the split
+(docs/optimisation.md, "Session 25: the backward in Gluon, dQ by TMA's reduce").
+"""
+import torch
+import triton
+from triton._C.libtriton import ir
+from triton.experimental import gluon
+from triton.experimental.gluon import language as gl
+from triton.experimental.gluon.language._core import builtin
+from triton.experimental.gluon.language.nvidia.hopper import (fence_async_shared, mbarrier, tma, warpgroup_mma,
+                                                             warpgroup_mma_wait)
+
+from .gluon_forward import _ring_slot, _tensor_matrices, is_hopper, tma_load, tma_store
+from .triton_launch import GRID_Y_LIMIT, INTERPRETING, set_tma_scratch_allocator
+from .triton_tiles import LOG2_E, query_tile_bounds
+
+# The (head dim, causal) calls this kernel measured faster on, and its constants for each:
+# BLOCK_N keys per MMA warpgroup (the program's key tile is twice that), BLOCK_M query rows per
+# streamed tile, STAGES ring slots. Causal at head dim 128 it was slower than the split.
+TILES = {(64, False): dict(BLOCK_M=64, BLOCK_N=64, STAGES=2),
+         (64, True): dict(BLOCK_M=64, BLOCK_N=64, STAGES=2),
+         (128, False): dict(BLOCK_M=64, BLOCK_N=64, STAGES=2)}
+# The fewest keys it serves each from: the shortest of the lengths compared (1,024 to 16,384,
+# doubling) where it was faster than the split by more than the rounds' spread.
+MIN_KEYS = {(64, False): 4096, (64, True): 4096, (128, False): 4096}
+# Registers per thread: the MMA warpgroups hold dK and dV (128 at head dim 128), the loader few.
+REGISTERS = dict(MMA_REGISTERS=240, LOAD_REGISTERS=24)
+
+KERNEL_LOG2_E = gl.constexpr(LOG2_E)  # lse comes in natural log; the scores run in base 2
+
+
+@builtin
+def _tma_reduce_add_triton36(tensor_desc, coord, src, _semantic=None):
+    """TMA's reduce-add of a shared-memory tile into global memory at coord: what later Gluon
+    names tma.async_atomic_add, built here from the op Triton 3.6 has without a Gluon name."""
+    coord = _semantic._convert_to_ir_values(coord, require_i64=False)
+    _semantic.builder.create_async_tma_reduce(ir.DESCRIPTOR_REDUCE_KIND.ADD, tensor_desc.handle, coord, src.handle)
+
+
+tma_reduce_add = getattr(tma, "async_atomic_add", None) or _tma_reduce_add_triton36
+# Every thread of a warpgroup at one point: gl.thread_barrier in Triton 3.6, gl.barrier since.
+warpgroup_barrier = getattr(gl, "barrier", None) or gl.thread_barrier
+
+
+def serves(q, k, is_causal):
+    """Whether flash_backward runs this kernel: 16-bit, a head dim and mask in TILES with its
+    MIN_KEYS keys or more, the batch-heads within the grid's y dimension, compiled (not
+    interpreted) for a Hopper card."""
+    key = (q.shape[-1], is_causal)
+    return (q.dtype in (torch.bfloat16, torch.float16) and key in TILES and k.shape[2] >= MIN_KEYS[key]
+            and q.shape[0] * q.shape[1] <= GRID_Y_LIMIT and not INTERPRETING and is_hopper(q.device))
+
+
+@gluon.jit
+def _query_tile_counts(start_n, N_Q, IS_CAUSAL: gl.constexpr, BLOCK_M: gl.constexpr, KEY_ROWS: gl.constexpr):
+    """triton_tiles.query_tile_bounds in tiles: the key tile of KEY_ROWS keys from start_n is
+    seen by query tiles [first, last), of which [first, unmasked) cross the diagonal (causal)."""
+    start_m, unmasked_start = query_tile_bounds(start_n, N_Q, IS_CAUSAL, BLOCK_M, KEY_ROWS)
+    return start_m // BLOCK_M, unmasked_start // BLOCK_M, gl.cdiv(N_Q, BLOCK_M)
+
+
+# Each partition reads its tile sizes off the shapes of its shared-memory buffers; its other
+# constants (IS_CAUSAL, HALF) stay compile-time as written in the warp_specialize call.
+
+@gluon.jit
+def _load_partition(Q, K, V, dO, k_smem, v_smem, q_bufs, do_bufs, k_ready, v_ready, q_ready, do_ready, qdo_empty,
+                    H, N_Q, IS_CAUSAL: gl.constexpr):
+    """One warp: the key tile's two halves of K and V, then every query tile that sees them, its
+    Q and dO into ring slot i % STAGES (i counts the program's query tiles from 0)."""
+    BLOCK_N: gl.constexpr = k_smem.shape[2] // 2
+    BLOCK_M: gl.constexpr = q_bufs.shape[3]
+    STAGES: gl.constexpr = q_bufs.shape[0]
+    bh = gl.program_id(1)
+    b = bh // H
+    h = bh % H
+    start_n = gl.program_id(0) * 2 * BLOCK_N
+    for half in gl.static_range(2):
+        mbarrier.expect(k_ready.index(half), K.block_type.nbytes)
+        tma_load(K, [b, h, start_n + half * BLOCK_N, 0], k_ready.index(half),
+                 k_smem.slice(half * BLOCK_N, BLOCK_N, dim=2))
+        mbarrier.expect(v_ready.index(half), V.block_type.nbytes)
+        tma_load(V, [b, h, start_n + half * BLOCK_N, 0], v_ready.index(half),
+                 v_smem.slice(half * BLOCK_N, BLOCK_N, dim=2))
+    first, _, last = _query_tile_counts(start_n, N_Q, IS_CAUSAL, BLOCK_M, 2 * BLOCK_N)
+    for m in range(first, last):
+        slot, phase = _ring_slot(m - first, STAGES)
+        # An mbarrier's phase flips each time it completes; waiting on the phase before the
+        # first passes at once, so the first wait on an "empty" barrier does not block.
+        mbarrier.wait(qdo_empty.index(slot), phase ^ 1)
+        mbarrier.expect(q_ready.index(slot), Q.block_type.nbytes)
+        tma_load(Q, [b, h, m * BLOCK_M, 0], q_ready.index(slot), q_bufs.index(slot))
+        mbarrier.expect(do_ready.index(slot), dO.block_type.nbytes)
+        tma_load(dO, [b, h, m * BLOCK_M, 0], do_ready.index(slot), do_bufs.index(slot))
+
+
+@gluon.jit
+def _query_tiles(dk, dv, k_tile, v_tile, k_cols, q_bufs, do_bufs, ds_smem, dq_smem, q_ready, do_ready, qdo_empty,
+                 ds_ready, ds_free, LSE, DQ, DELTA, b, h, keys, begin, end, first, N_Q, qk_scale, sm_scale,
+                 HALF: gl.constexpr, MASKED: gl.constexpr, s_layout: gl.constexpr, acc_layout: gl.constexpr):
+    """One MMA warpgroup over query tiles [begin, end), tile m read from ring slot
+    (m - first) % STAGES: dK and dV of its half of the keys, and dQ's columns HALF of the
+    program's whole key tile, reduced into DQ."""
+    BLOCK_M: gl.constexpr = q_bufs.shape[3]
+    HEAD_DIM: gl.constexpr = q_bufs.shape[4]
+    BLOCK_N: gl.constexpr = k_tile.shape[0]
+    STAGES: gl.constexpr = q_bufs.shape[0]
+    # P^T goes into its product from registers, in the layout wgmma reads its A operand in.
+    op_layout: gl.constexpr = gl.DotOperandLayout(operand_index=0, parent=acc_layout, k_width=2)
+    dq_layout: gl.constexpr = gl.NVMMADistributedLayout(version=[3, 0], warps_per_cta=[4, 1],
+                                                        instr_shape=[16, HEAD_DIM // 2, 16])
+    row_layout: gl.constexpr = gl.BlockedLayout([1], [32], [4], [0])  # one query row a thread
+    no_scores = gl.zeros([BLOCK_N, BLOCK_M], gl.float32, s_layout)
+    ds_own = ds_smem.slice(HALF * BLOCK_N, BLOCK_N, dim=0)  # this warpgroup's keys' rows of dS^T
+    for m in range(begin, end):
+        i = m - first
+        slot, phase = _ring_slot(i, STAGES)
+        q_tile = q_bufs.index(slot).reshape([BLOCK_M, HEAD_DIM])
+        do_tile = do_bufs.index(slot).reshape([BLOCK_M, HEAD_DIM])
+        # lse and delta of the tile's rows, loaded early, one a thread: along S^T's columns they
+        # would hold 16 registers a thread each for the whole step. Rows past N_Q read
+        # lse = +inf: P = 0 there, no mask.
+        rows = m * BLOCK_M + gl.arange(0, BLOCK_M, layout=row_layout)
+        lse_rows = gl.load(LSE + rows, mask=rows < N_Q, other=float("inf"))
+        delta_rows = gl.load(DELTA + rows, mask=rows < N_Q, other=0.0)
+        # S^T and dP^T both issued at once: P^T's exponentials run while dP^T finishes.
+        mbarrier.wait(q_ready.index(slot), phase)
+        s_t = warpgroup_mma(k_tile, q_tile.permute((1, 0)), no_scores, use_acc=False, is_async=True)
+        mbarrier.wait(do_ready.index(slot), phase)
+        dp_t = warpgroup_mma(v_tile, do_tile.permute((1, 0)), no_scores, use_acc=False, is_async=True)
+        s_t = warpgroup_mma_wait(num_outstanding=1, deps=(s_t,))  # they retire in order: S^T is done
+        lse = gl.convert_layout(lse_rows, gl.SliceLayout(0, s_layout)) * KERNEL_LOG2_E
+        p_t = gl.exp2(s_t * qk_scale - lse[None, :])
+        if MASKED:  # causal, a tile that crosses the diagonal: row i sees key j iff j <= i
+            cols = m * BLOCK_M + gl.arange(0, BLOCK_M, layout=gl.SliceLayout(0, s_layout))
+            p_t = gl.where(keys[:, None] <= cols[None, :], p_t, 0.0)
+        delta = gl.convert_layout(delta_rows, gl.SliceLayout(0, s_layout))
+        dp_t = warpgroup_mma_wait(num_outstanding=0, deps=(dp_t,))
+        ds_t = p_t * (dp_t - delta[None, :])
+        p_op = gl.convert_layout(p_t.to(q_tile.dtype), op_layout)
+        mbarrier.wait(ds_free.index(0), (i & 1) ^ 1)  # both dQ products of the last tile have read dS^T
+        ds_own.store(ds_t.to(q_tile.dtype))
+        fence_async_shared()
+        warpgroup_barrier()  # every thread's dS^T is in before the one arrival below
+        mbarrier.arrive(ds_ready.index(0), count=1)
+        dv = warpgroup_mma(p_op, do_tile, dv, is_async=True)
+        dk = warpgroup_mma(ds_own, q_tile, dk, is_async=True)
+        mbarrier.wait(ds_ready.index(0), i & 1)  # the other half's dS^T is in too
+        dq = warpgroup_mma(ds_smem.permute((1, 0)), k_cols, gl.zeros([BLOCK_M, HEAD_DIM // 2], gl.float32, dq_layout),
+                           use_acc=False, is_async=True)
+        # The operands among the deps: the running wgmmas read their registers, which must stay live.
+        dv, dk, dq, p_op = warpgroup_mma_wait(num_outstanding=0, deps=(dv, dk, dq, p_op))
+        mbarrier.arrive(ds_free.index(0), count=1)
+        mbarrier.arrive(qdo_empty.index(slot), count=1)  # this warpgroup is done with Q and dO
+        # Two buffers per warpgroup, taken in turn: the reduce of two tiles back has read this one.
+        dq_buf = dq_smem.index(HALF * 2 + i % 2)
+        tma.store_wait(pendings=1)
+        dq_buf.reshape([BLOCK_M, HEAD_DIM // 2]).store(dq * sm_scale)
+        fence_async_shared()
+        tma_reduce_add(DQ, [b, h, m * BLOCK_M, HALF * (HEAD_DIM // 2)], dq_buf)
+    return dk, dv
+
+
+@gluon.jit
+def _mma_partition(dK, dV, LSE, DQ, DELTA, k_smem, v_smem, q_bufs, do_bufs, ds_smem, dq_smem, k_ready, v_ready,
+                   q_ready, do_ready, qdo_empty, ds_ready, ds_free, H, N_Q, qk_scale, sm_scale,
+                   IS_CAUSAL: gl.constexpr, HALF: gl.constexpr):
+    """One warpgroup: dK and dV of keys [start_n + HALF * BLOCK_N, + BLOCK_N) and its columns of
+    dQ, over every query tile that sees the program's key tile; then dK and dV's store."""
+    BLOCK_N: gl.constexpr = k_smem.shape[2] // 2
+    HEAD_DIM: gl.constexpr = k_smem.shape[3]
+    BLOCK_M: gl.constexpr = q_bufs.shape[3]
+    # Where wgmma leaves its results: 4 warps down the rows, instructions 16 rows by a tile's width.
+    s_layout: gl.constexpr = gl.NVMMADistributedLayout(version=[3, 0], warps_per_cta=[4, 1],
+                                                       instr_shape=[16, BLOCK_M, 16])
+    acc_layout: gl.constexpr = gl.NVMMADistributedLayout(version=[3, 0], warps_per_cta=[4, 1],
+                                                         instr_shape=[16, HEAD_DIM, 16])
+    bh = gl.program_id(1)
+    b = bh // H
+    h = bh % H
+    start_n = gl.program_id(0) * 2 * BLOCK_N
+    key_start = start_n + HALF * BLOCK_N
+    keys = key_start + gl.arange(0, BLOCK_N, layout=gl.SliceLayout(1, s_layout))
+    LSE += bh * N_Q
+    DELTA += bh * N_Q
+    k_all = k_smem.reshape([2 * BLOCK_N, HEAD_DIM])
+    k_tile = k_all.slice(HALF * BLOCK_N, BLOCK_N, dim=0)
+    v_tile = v_smem.reshape([2 * BLOCK_N, HEAD_DIM]).slice(HALF * BLOCK_N, BLOCK_N, dim=0)
+    k_cols = k_all.slice(HALF * (HEAD_DIM // 2), HEAD_DIM // 2, dim=1)  # dQ's product: both halves' keys
+    first, unmasked, last = _query_tile_counts(start_n, N_Q, IS_CAUSAL, BLOCK_M, 2 * BLOCK_N)
+    dk = gl.zeros([BLOCK_N, HEAD_DIM], gl.float32, acc_layout)
+    dv = gl.zeros([BLOCK_N, HEAD_DIM], gl.float32, acc_layout)
+    mbarrier.wait(k_ready.index(0), 0)  # each is used once: phase 0
+    mbarrier.wait(k_ready.index(1), 0)
+    mbarrier.wait(v_ready.index(HALF), 0)
+    dk, dv = _query_tiles(dk, dv, k_tile, v_tile, k_cols, q_bufs, do_bufs, ds_smem, dq_smem, q_ready, do_ready,
+                          qdo_empty, ds_ready, ds_free, LSE, DQ, DELTA, b, h, keys, first, unmasked, first, N_Q,
+                          qk_scale, sm_scale, HALF, True, s_layout, acc_layout)
+    dk, dv = _query_tiles(dk, dv, k_tile, v_tile, k_cols, q_bufs, do_bufs, ds_smem, dq_smem, q_ready, do_ready,
+                          qdo_empty, ds_ready, ds_free, LSE, DQ, DELTA, b, h, keys, unmasked, last, first, N_Q,
+                          qk_scale, sm_scale, HALF, False, s_layout, acc_layout)
+    # The other warpgroup's last dQ product reads this half's K too: wait until both are done
+    # (ds_free of the last query tile; passes at once when there was none, as for causal keys
+    # past the last query, where first > last).
+    mbarrier.wait(ds_free.index(0), (gl.maximum(last - first, 0) - 1) & 1)
+    # Nothing reads this half's K and V any more: their buffers take dK and dV out.
+    k_tile.store((dk * sm_scale).to(k_smem.dtype))
+    v_tile.store(dv.to(v_smem.dtype))
+    fence_async_shared()
+    tma_store(dK, [b, h, key_start, 0], k_smem.slice(HALF * BLOCK_N, BLOCK_N, dim=2))
+    tma_store(dV, [b, h, key_start, 0], v_smem.slice(HALF * BLOCK_N, BLOCK_N, dim=2))
+    tma.store_wait(pendings=0)
+
+
+@gluon.jit
+def _attn_bwd_warp_specialized(Q, K, V, dO, dK, dV, LSE, DELTA, DQ,
+                               stride_qb, stride_qh, stride_qn, stride_kb, stride_kh, stride_kn,
+                               stride_vb, stride_vh, stride_vn, stride_dob, stride_doh, stride_don,
+                               stride_dkb, stride_dkh, stride_dkn, stride_dvb, stride_dvh, stride_dvn,
+                               stride_dqb, stride_dqh, stride_dqn, B, H, N_Q, N_K, qk_scale, sm_scale,
+                               IS_CAUSAL: gl.constexpr, HEAD_DIM: gl.constexpr, BLOCK_M: gl.constexpr,
+                               BLOCK_N: gl.constexpr, STAGES: gl.constexpr, MMA_REGISTERS: gl.constexpr,
+                               LOAD_REGISTERS: gl.constexpr):
+    q_matrices = _tensor_matrices(Q, B, H, N_Q, stride_qb, stride_qh, stride_qn, BLOCK_M, HEAD_DIM)
+    do_matrices = _tensor_matrices(dO, B, H, N_Q, stride_dob, stride_doh, stride_don, BLOCK_M, HEAD_DIM)
+    k_matrices = _tensor_matrices(K, B, H, N_K, stride_kb, stride_kh, stride_kn, BLOCK_N, HEAD_DIM)
+    v_matrices = _tensor_matrices(V, B, H, N_K, stride_vb, stride_vh, stride_vn, BLOCK_N, HEAD_DIM)
+    dk_matrices = _tensor_matrices(dK, B, H, N_K, stride_dkb, stride_dkh, stride_dkn, BLOCK_N, HEAD_DIM)
+    dv_matrices = _tensor_matrices(dV, B, H, N_K, stride_dvb, stride_dvh, stride_dvn, BLOCK_N, HEAD_DIM)
+    # dQ (float32) is reduced into in tiles of a warpgroup's half of its columns.
+    dq_smem_layout: gl.constexpr = gl.NVMMASharedLayout.get_default_for([1, 1, BLOCK_M, HEAD_DIM // 2], gl.float32)
+    dq_matrices = tma.make_tensor_descriptor(DQ, shape=[B, H, N_Q, HEAD_DIM], strides=[stride_dqb, stride_dqh,
+                                                                                         stride_dqn, 1],
+                                             block_shape=[1, 1, BLOCK_M, HEAD_DIM // 2], layout=dq_smem_layout)
+
+    # K and V: both halves of the key tile in one buffer each; dK, dV (same dtype, same tile)
+    # leave through them.
+    k_smem = gl.allocate_shared_memory(K.dtype.element_ty, [1, 1, 2 * BLOCK_N, HEAD_DIM], k_matrices.layout)
+    v_smem = gl.allocate_shared_memory(V.dtype.element_ty, [1, 1, 2 * BLOCK_N, HEAD_DIM], v_matrices.layout)
+    q_bufs = gl.allocate_shared_memory(Q.dtype.element_ty, [STAGES, 1, 1, BLOCK_M, HEAD_DIM], q_matrices.layout)
+    do_bufs = gl.allocate_shared_memory(dO.dtype.element_ty, [STAGES, 1, 1, BLOCK_M, HEAD_DIM], do_matrices.layout)
+    ds_layout: gl.constexpr = gl.NVMMASharedLayout.get_default_for([2 * BLOCK_N, BLOCK_M], Q.dtype.element_ty)
+    ds_smem = gl.allocate_shared_memory(Q.dtype.element_ty, [2 * BLOCK_N, BLOCK_M], ds_layout)
+    dq_smem = gl.allocate_shared_memory(gl.float32, [4, 1, 1, BLOCK_M, HEAD_DIM // 2], dq_smem_layout)
+    k_ready = gl.allocate_shared_memory(gl.int64, [2, 1], mbarrier.MBarrierLayout())
+    v_ready = gl.allocate_shared_memory(gl.int64, [2, 1], mbarrier.MBarrierLayout())
+    q_ready = gl.allocate_shared_memory(gl.int64, [STAGES, 1], mbarrier.MBarrierLayout())
+    do_ready = gl.allocate_shared_memory(gl.int64, [STAGES, 1], mbarrier.MBarrierLayout())
+    qdo_empty = gl.allocate_shared_memory(gl.int64, [STAGES, 1], mbarrier.MBarrierLayout())
+    ds_ready = gl.allocate_shared_memory(gl.int64, [1, 1], mbarrier.MBarrierLayout())
+    ds_free = gl.allocate_shared_memory(gl.int64, [1, 1], mbarrier.MBarrierLayout())
+    for half in gl.static_range(2):
+        mbarrier.init(k_ready.index(half), count=1)
+        mbarrier.init(v_ready.index(half), count=1)
+    for slot in gl.static_range(STAGES):
+        mbarrier.init(q_ready.index(slot), count=1)
+        mbarrier.init(do_ready.index(slot), count=1)
+        mbarrier.init(qdo_empty.index(slot), count=2)  # one arrival from each MMA partition
+    mbarrier.init(ds_ready.index(0), count=2)
+    mbarrier.init(ds_free.index(0), count=2)
+
+    # The argument tuples are written in the call, so their constants stay compile-time
+    # (gluon_forward._attn_fwd_warp_specialized says why).
+    gl.warp_specialize([
+        (_mma_partition, (dk_matrices, dv_matrices, LSE, dq_matrices, DELTA, k_smem, v_smem, q_bufs, do_bufs, ds_smem,
+                          dq_smem, k_ready, v_ready, q_ready, do_ready, qdo_empty, ds_ready, ds_free, H, N_Q,
+                          qk_scale, sm_scale, IS_CAUSAL, 0)),
+        (_mma_partition, (dk_matrices, dv_matrices, LSE, dq_matrices, DELTA, k_smem, v_smem, q_bufs, do_bufs, ds_smem,
+                          dq_smem, k_ready, v_ready, q_ready, do_ready, qdo_empty, ds_ready, ds_free, H, N_Q,
+                          qk_scale, sm_scale, IS_CAUSAL, 1)),
+        (_load_partition, (q_matrices, k_matrices, v_matrices, do_matrices, k_smem, v_smem, q_bufs, do_bufs, k_ready,
+                           v_ready, q_ready, do_ready, qdo_empty, H, N_Q, IS_CAUSAL)),
+    ], [4, 1], [MMA_REGISTERS, LOAD_REGISTERS])
+
+
+def gluon_backward(q, k, v, do, lse, delta, is_causal, dq, dk, dv):
+    """flash_backward's contract, given delta = rowsum(dO * O): q, k, v, do, dk, dv (B, H, N, D)
+    descriptor-ready views, lse and delta (B, H, N_q) float32 contiguous. Writes dk and dv, and
+    dq (any strides) from a float32 dQ the kernel reduces into."""
+    B, H, N_Q, D = q.shape
+    N_K = k.shape[2]
+    tiles = TILES[D, is_causal]
+    dq_sum = torch.zeros(q.shape, dtype=torch.float32, device=q.device)
+    set_tma_scratch_allocator()
+    grid = (triton.cdiv(N_K, 2 * tiles["BLOCK_N"]), B * H)
+    sm_scale = D ** -0.5
+    _attn_bwd_warp_specialized[grid](q, k, v, do, dk, dv, lse, delta, dq_sum, *q.stride()[:3], *k.stride()[:3],
+                                     *v.stride()[:3], *do.stride()[:3], *dk.stride()[:3], *dv.stride()[:3],
+                                     *dq_sum.stride()[:3], B, H, N_Q, N_K, sm_scale * LOG2_E, sm_scale,
+                                     IS_CAUSAL=is_causal, HEAD_DIM=D, **tiles, **REGISTERS, num_warps=4)
+    dq.copy_(dq_sum)
