@@ -642,16 +642,33 @@ def gluon_from_256_keys(monkeypatch):
     monkeypatch.setattr(gluon_forward, "MIN_KEYS", dict.fromkeys(gluon_forward.MIN_KEYS, 256))
 
 
+def served_inputs(n_q, n_k, head_dim, dtype):
+    """q, k, v and an output gradient do for the Gluon kernels' tests (B = 2, H = 3): q, k, v
+    views of one projection when n_q = n_k, as the model makes them, separate tensors else;
+    do (B, N, H, D) memory order, as autograd hands it to the packed path."""
+    B, H, D = 2, 3, head_dim
+    g = torch.Generator(device="cuda").manual_seed(n_q + n_k)
+    if n_q == n_k:
+        qkv = torch.randn(B, n_q, 3, H, D, device="cuda", dtype=dtype, generator=g)
+        q, k, v = (qkv[:, :, i].transpose(1, 2) for i in range(3))
+    else:
+        q = torch.randn(B, H, n_q, D, device="cuda", dtype=dtype, generator=g)
+        k, v = (torch.randn(B, H, n_k, D, device="cuda", dtype=dtype, generator=g) for _ in range(2))
+    do = torch.randn(B, n_q, H, D, device="cuda", dtype=dtype, generator=g).transpose(1, 2)
+    return q, k, v, do
+
+
 @gpu
-def test_gpu_warp_specialized_forward_is_served_from_its_min_keys():
-    """flash_forward takes the warp-specialised kernel at each entry of TILES from that entry's
-    MIN_KEYS keys, and keeps triton_forward.py's kernel one key short of it."""
-    if not gluon_forward.is_hopper(torch.device("cuda")):
-        pytest.skip("the warp-specialised forward is Hopper's")
-    for (head_dim, is_causal), min_keys in gluon_forward.MIN_KEYS.items():
+@pytest.mark.parametrize("kernel", [gluon_forward, gluon_backward], ids=lambda m: m.__name__.split(".")[-1])
+def test_gpu_warp_specialized_kernels_are_served_from_their_min_keys(kernel):
+    """flash_forward and flash_backward take each Gluon kernel at each entry of its TILES from
+    that entry's MIN_KEYS keys, and keep the Triton kernel one key short of it."""
+    if not kernel.is_hopper(torch.device("cuda")):
+        pytest.skip("the warp-specialised kernels are Hopper's")
+    for (head_dim, is_causal), min_keys in kernel.MIN_KEYS.items():
         for n_k, served in ((min_keys - 1, False), (min_keys, True)):
             q = torch.randn(1, 2, n_k, head_dim, device="cuda", dtype=torch.bfloat16)
-            assert gluon_forward.serves(q, q, is_causal) == served, (head_dim, is_causal, n_k)
+            assert kernel.serves(q, q, is_causal) == served, (head_dim, is_causal, n_k)
 
 
 @gpu
@@ -663,14 +680,7 @@ def test_gpu_warp_specialized_forward(n_q, n_k, head_dim, is_causal, dtype, gluo
     of its TILES: O and lse against float64, on views of one projection when N_q = N_k."""
     if not gluon_forward.is_hopper(torch.device("cuda")):
         pytest.skip("the warp-specialised forward is Hopper's")
-    B, H, D = 2, 3, head_dim
-    g = torch.Generator(device="cuda").manual_seed(n_q + n_k)
-    if n_q == n_k:
-        qkv = torch.randn(B, n_q, 3, H, D, device="cuda", dtype=dtype, generator=g)
-        q, k, v = (qkv[:, :, i].transpose(1, 2) for i in range(3))
-    else:
-        q = torch.randn(B, H, n_q, D, device="cuda", dtype=dtype, generator=g)
-        k, v = (torch.randn(B, H, n_k, D, device="cuda", dtype=dtype, generator=g) for _ in range(2))
+    q, k, v, _ = served_inputs(n_q, n_k, head_dim, dtype)
     assert gluon_forward.serves(q, k, is_causal)
     o, lse = flash_forward(q, k, v, is_causal)
     o_ref, lse_ref = eager_attention_with_lse(q.double(), k.double(), v.double(), is_causal)
@@ -722,18 +732,6 @@ def gluon_backward_from_one_key(monkeypatch):
 
 
 @gpu
-def test_gpu_warp_specialized_backward_is_served_from_its_min_keys():
-    """flash_backward takes the warp-specialised kernel at each entry of TILES from that entry's
-    MIN_KEYS keys, and keeps triton_backward.py's kernel one key short of it."""
-    if not gluon_backward.is_hopper(torch.device("cuda")):
-        pytest.skip("the warp-specialised backward is Hopper's")
-    for (head_dim, is_causal), min_keys in gluon_backward.MIN_KEYS.items():
-        for n_k, served in ((min_keys - 1, False), (min_keys, True)):
-            q = torch.randn(1, 2, n_k, head_dim, device="cuda", dtype=torch.bfloat16)
-            assert gluon_backward.serves(q, q, is_causal) == served, (head_dim, is_causal, n_k)
-
-
-@gpu
 @pytest.mark.parametrize("dtype", [torch.bfloat16, torch.float16])
 @BACKWARD_SERVED
 @pytest.mark.parametrize("n_q,n_k", [(2049, 2049), (300, 4097), (5000, 2048), (1, 3001), (100, 100), (129, 257)])
@@ -742,15 +740,7 @@ def test_gpu_warp_specialized_backward(n_q, n_k, head_dim, is_causal, dtype, glu
     masks of its TILES: dQ, dK, dV against float64, on views of one projection when N_q = N_k."""
     if not gluon_backward.is_hopper(torch.device("cuda")):
         pytest.skip("the warp-specialised backward is Hopper's")
-    B, H, D = 2, 3, head_dim
-    g = torch.Generator(device="cuda").manual_seed(n_q + n_k)
-    if n_q == n_k:
-        qkv = torch.randn(B, n_q, 3, H, D, device="cuda", dtype=dtype, generator=g)
-        q, k, v = (qkv[:, :, i].transpose(1, 2) for i in range(3))
-    else:
-        q = torch.randn(B, H, n_q, D, device="cuda", dtype=dtype, generator=g)
-        k, v = (torch.randn(B, H, n_k, D, device="cuda", dtype=dtype, generator=g) for _ in range(2))
-    do = torch.randn(B, n_q, H, D, device="cuda", dtype=dtype, generator=g).transpose(1, 2)
+    q, k, v, do = served_inputs(n_q, n_k, head_dim, dtype)
     assert gluon_backward.serves(q, k, is_causal)
     o, lse = flash_forward(q, k, v, is_causal)
     dq, dk, dv = flash_backward(q, k, v, o, do, lse, is_causal)
