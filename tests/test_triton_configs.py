@@ -15,6 +15,7 @@ import sys
 
 import pytest
 
+from attention import gluon_backward, gluon_forward
 from attention.triton_launch import ADA_SHARED_MEMORY_BYTES
 
 # One worker runs this module, so its module-scoped fixture runs once (see pytest.ini).
@@ -54,7 +55,6 @@ def measure():
     """Compile every config for sm_90; for each cp.async config, also compile for sm_89 at the
     largest head dim the estimate admits per element size, and report the compiler's shared
     memory. Then the Gluon kernels for sm_90, with their shared memory."""
-    from attention import gluon_backward, gluon_forward
     from attention.triton_backward import BACKWARD_CONFIGS, _attn_bwd, backward_smem_rows
     from attention.triton_launch import shared_memory_bytes
     from attention.triton_forward import FORWARD_CONFIGS, _attn_fwd, forward_smem_rows
@@ -113,14 +113,12 @@ def test_every_kernel_has_an_ada_config_for_every_head_dim(compiled):
             assert dims and max(dims) == 128, f"{kernel} {element_type}: no config admitted at head dim 128"
 
 
-@pytest.mark.parametrize("module,kernel", [("gluon_forward", "_attn_fwd_warp_specialized"),
-                                           ("gluon_backward", "_attn_bwd_warp_specialized")])
+@pytest.mark.parametrize("module,kernel", [(gluon_forward, "_attn_fwd_warp_specialized"),
+                                           (gluon_backward, "_attn_bwd_warp_specialized")], ids=("forward", "backward"))
 def test_gluon_kernels_compile_for_hopper(compiled, module, kernel):
     """Each warp-specialised kernel compiles for sm_90 with the tiles of every head dim and mask
     it serves, within Hopper's 227 KB of shared memory per block."""
-    import importlib
-    tiles = importlib.import_module(f"attention.{module}").TILES
-    assert [(r["head_dim"], r["is_causal"]) for r in compiled["hopper_gluon"][kernel]] == list(tiles)
+    assert [(r["head_dim"], r["is_causal"]) for r in compiled["hopper_gluon"][kernel]] == list(module.TILES)
     for r in compiled["hopper_gluon"][kernel]:
         assert r["shared"] <= HOPPER_SHARED_MEMORY_BYTES, r
 
