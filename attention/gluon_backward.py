@@ -261,8 +261,8 @@ def _attn_bwd_warp_specialized(Q, K, V, dO, dK, dV, LSE, DELTA, DQ,
     dv_matrices = _tensor_matrices(dV, B, H, N_K, stride_dvb, stride_dvh, stride_dvn, BLOCK_N, HEAD_DIM)
     # dQ (float32) is reduced into in tiles of a warpgroup's half of its columns.
     dq_smem_layout: gl.constexpr = gl.NVMMASharedLayout.get_default_for([1, 1, BLOCK_M, HEAD_DIM // 2], gl.float32)
-    dq_matrices = tma.make_tensor_descriptor(DQ, shape=[B, H, N_Q, HEAD_DIM], strides=[stride_dqb, stride_dqh,
-                                                                                         stride_dqn, 1],
+    dq_matrices = tma.make_tensor_descriptor(DQ, shape=[B, H, N_Q, HEAD_DIM],
+                                             strides=[stride_dqb, stride_dqh, stride_dqn, 1],
                                              block_shape=[1, 1, BLOCK_M, HEAD_DIM // 2], layout=dq_smem_layout)
 
     # K and V: both halves of the key tile in one buffer each; dK, dV (same dtype, same tile)
@@ -273,6 +273,7 @@ def _attn_bwd_warp_specialized(Q, K, V, dO, dK, dV, LSE, DELTA, DQ,
     do_bufs = gl.allocate_shared_memory(dO.dtype.element_ty, [STAGES, 1, 1, BLOCK_M, HEAD_DIM], do_matrices.layout)
     ds_layout: gl.constexpr = gl.NVMMASharedLayout.get_default_for([2 * BLOCK_N, BLOCK_M], Q.dtype.element_ty)
     ds_smem = gl.allocate_shared_memory(Q.dtype.element_ty, [2 * BLOCK_N, BLOCK_M], ds_layout)
+    # dQ's staging: two buffers per MMA warpgroup (_query_tiles takes them in turn).
     dq_smem = gl.allocate_shared_memory(gl.float32, [4, 1, 1, BLOCK_M, HEAD_DIM // 2], dq_smem_layout)
     k_ready = gl.allocate_shared_memory(gl.int64, [2, 1], mbarrier.MBarrierLayout())
     v_ready = gl.allocate_shared_memory(gl.int64, [2, 1], mbarrier.MBarrierLayout())
