@@ -30,7 +30,8 @@ share of dQ, five multiplies, and adds that share into a float32 dQ in global me
 
 What the split's two extra products cost, the reduce costs here in traffic: each key tile adds
 a float32 dQ for every query it sees. The reduces land in any order, so unlike
-triton_backward.py, two runs can differ in dQ's last bits. flash_backward (triton_backward.py)
+triton_backward.py, two runs can differ in dQ's last bits (torch.use_deterministic_algorithms
+keeps the split). flash_backward (triton_backward.py)
 sends a call here where serves() says so: where this kernel measured faster than the split
 (docs/optimisation.md, "Session 25: the backward in Gluon, dQ by TMA's reduce").
 """
@@ -78,10 +79,12 @@ warpgroup_barrier = getattr(gl, "barrier", None) or gl.thread_barrier
 def serves(q, k, is_causal):
     """Whether flash_backward runs this kernel: 16-bit, a head dim and mask in TILES with its
     MIN_KEYS keys or more, the batch-heads within the grid's y dimension, compiled (not
-    interpreted) for a Hopper card."""
+    interpreted) for a Hopper card, and determinism not asked for: its reduces land in any
+    order, so under torch.use_deterministic_algorithms(True) the split runs instead."""
     key = (q.shape[-1], is_causal)
     return (q.dtype in (torch.bfloat16, torch.float16) and key in TILES and k.shape[2] >= MIN_KEYS[key]
-            and q.shape[0] * q.shape[1] <= GRID_Y_LIMIT and not INTERPRETING and is_hopper(q.device))
+            and q.shape[0] * q.shape[1] <= GRID_Y_LIMIT and not torch.are_deterministic_algorithms_enabled()
+            and not INTERPRETING and is_hopper(q.device))
 
 
 @gluon.jit

@@ -583,6 +583,22 @@ def test_warp_specialized_kernels_serve_only_compiled_hopper_kernels(kernel):
         assert not kernel.serves(q, q, is_causal)
 
 
+def test_warp_specialized_backward_gives_way_to_deterministic_algorithms(monkeypatch):
+    """gluon_backward.py's dQ is a sum in whatever order TMA's reduces land: where a Hopper card
+    would run it (stood in for here), torch.use_deterministic_algorithms(True) keeps the split."""
+    monkeypatch.setattr(gluon_backward, "is_hopper", lambda device: True)
+    monkeypatch.setattr(gluon_backward, "INTERPRETING", False)
+    (head_dim, is_causal), min_keys = next(iter(gluon_backward.MIN_KEYS.items()))
+    q = torch.randn(1, 2, min_keys, head_dim, dtype=torch.bfloat16)
+    assert gluon_backward.serves(q, q, is_causal)
+    deterministic = torch.are_deterministic_algorithms_enabled()
+    try:
+        torch.use_deterministic_algorithms(True)
+        assert not gluon_backward.serves(q, q, is_causal)
+    finally:
+        torch.use_deterministic_algorithms(deterministic)
+
+
 # ---------------------------------------------------------------- GPU (run on the H200)
 
 @gpu
