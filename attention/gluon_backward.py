@@ -44,8 +44,8 @@ from triton.experimental.gluon.language._core import builtin
 from triton.experimental.gluon.language.nvidia.hopper import (fence_async_shared, mbarrier, tma, warpgroup_mma,
                                                              warpgroup_mma_wait)
 
-from .gluon_forward import _ring_slot, _tensor_matrices, is_hopper, tma_load, tma_store
-from .triton_launch import GRID_Y_LIMIT, INTERPRETING, set_tma_scratch_allocator
+from .gluon_forward import _ring_slot, _tensor_matrices, hopper_entry, tma_load, tma_store
+from .triton_launch import GRID_Y_LIMIT, set_tma_scratch_allocator
 from .triton_tiles import LOG2_E, query_tile_bounds
 
 # The (head dim, causal) calls this kernel measured faster on, and its constants for each:
@@ -77,22 +77,26 @@ warpgroup_barrier = getattr(gl, "barrier", None) or gl.thread_barrier
 
 
 def serves(q, k, is_causal):
-    """Whether flash_backward runs this kernel: 16-bit, a head dim and mask in TILES with its
-    MIN_KEYS keys or more, the batch-heads within the grid's y dimension, compiled (not
-    interpreted) for a Hopper card, and determinism not asked for: its reduces land in any
-    order, so under torch.use_deterministic_algorithms(True) the split runs instead."""
-    key = (q.shape[-1], is_causal)
-    return (q.dtype in (torch.bfloat16, torch.float16) and key in TILES and k.shape[2] >= MIN_KEYS[key]
-            and q.shape[0] * q.shape[1] <= GRID_Y_LIMIT and not torch.are_deterministic_algorithms_enabled()
-            and not INTERPRETING and is_hopper(q.device))
+    """Whether flash_backward runs this kernel: gluon_forward.hopper_entry with this file's TILES
+    and MIN_KEYS, the batch-heads within the grid's y dimension, and determinism not asked for:
+    its reduces land in any order, so under torch.use_deterministic_algorithms(True) the split
+    runs instead."""
+    return (hopper_entry(q, k, is_causal, TILES, MIN_KEYS) and q.shape[0] * q.shape[1] <= GRID_Y_LIMIT
+            and not torch.are_deterministic_algorithms_enabled())
 
 
 @gluon.jit
 def _query_tile_counts(start_n, N_Q, IS_CAUSAL: gl.constexpr, BLOCK_M: gl.constexpr, KEY_ROWS: gl.constexpr):
     """triton_tiles.query_tile_bounds in tiles: the key tile of KEY_ROWS keys from start_n is
-    seen by query tiles [first, last), of which [first, unmasked) cross the diagonal (causal)."""
+    seen by query tiles [first, last), of which [first, unmasked) cross the diagonal (causal).
+    first <= unmasked <= last always: causal, a key tile past the last query gets first = last,
+    no tiles, which the partitions' mbarrier phases count on (_mma_partition's last wait)."""
     start_m, unmasked_start = query_tile_bounds(start_n, N_Q, IS_CAUSAL, BLOCK_M, KEY_ROWS)
-    return start_m // BLOCK_M, unmasked_start // BLOCK_M, gl.cdiv(N_Q, BLOCK_M)
+    last = gl.cdiv(N_Q, BLOCK_M)
+    first = start_m // BLOCK_M
+    if IS_CAUSAL:
+        first = gl.minimum(first, last)
+    return first, unmasked_start // BLOCK_M, last
 
 
 # Each partition reads its tile sizes off the shapes of its shared-memory buffers; its other
@@ -235,9 +239,8 @@ def _mma_partition(dK, dV, LSE, DQ, DELTA, k_smem, v_smem, q_bufs, do_bufs, ds_s
                           qdo_empty, ds_ready, ds_free, LSE, DQ, DELTA, b, h, keys, unmasked, last, first, N_Q,
                           qk_scale, sm_scale, HALF, False, s_layout, acc_layout)
     # The other warpgroup's last dQ product reads this half's K too: wait until both are done
-    # (ds_free of the last query tile; passes at once when there was none, as for causal keys
-    # past the last query, where first > last).
-    mbarrier.wait(ds_free.index(0), (gl.maximum(last - first, 0) - 1) & 1)
+    # (ds_free of the last query tile; passes at once when there was none).
+    mbarrier.wait(ds_free.index(0), (last - first - 1) & 1)
     # Nothing reads this half's K and V any more: their buffers take dK and dV out.
     k_tile.store((dk * sm_scale).to(k_smem.dtype))
     v_tile.store(dv.to(v_smem.dtype))

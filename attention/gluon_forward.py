@@ -64,10 +64,15 @@ tma_store = getattr(tma, "async_store", None) or tma.async_copy_shared_to_global
 
 
 def serves(q, k, is_causal):
-    """Whether flash_forward runs this kernel: 16-bit, a head dim and mask in TILES with its
-    MIN_KEYS keys or more, compiled (not interpreted) for a Hopper card."""
+    """Whether flash_forward runs this kernel (hopper_entry with this file's TILES and MIN_KEYS)."""
+    return hopper_entry(q, k, is_causal, TILES, MIN_KEYS)
+
+
+def hopper_entry(q, k, is_causal, tiles, min_keys):
+    """What both Gluon kernels ask of a call: 16-bit, a head dim and mask in tiles with its
+    min_keys keys or more, compiled (not interpreted) for a Hopper card."""
     key = (q.shape[-1], is_causal)
-    return (q.dtype in (torch.bfloat16, torch.float16) and key in TILES and k.shape[2] >= MIN_KEYS[key]
+    return (q.dtype in (torch.bfloat16, torch.float16) and key in tiles and k.shape[2] >= min_keys[key]
             and not INTERPRETING and is_hopper(q.device))
 
 

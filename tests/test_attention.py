@@ -586,8 +586,8 @@ def test_warp_specialized_kernels_serve_only_compiled_hopper_kernels(kernel):
 def test_warp_specialized_backward_gives_way_to_deterministic_algorithms(monkeypatch):
     """gluon_backward.py's dQ is a sum in whatever order TMA's reduces land: where a Hopper card
     would run it (stood in for here), torch.use_deterministic_algorithms(True) keeps the split."""
-    monkeypatch.setattr(gluon_backward, "is_hopper", lambda device: True)
-    monkeypatch.setattr(gluon_backward, "INTERPRETING", False)
+    monkeypatch.setattr(gluon_forward, "is_hopper", lambda device: True)
+    monkeypatch.setattr(gluon_forward, "INTERPRETING", False)
     (head_dim, is_causal), min_keys = next(iter(gluon_backward.MIN_KEYS.items()))
     q = torch.randn(1, 2, min_keys, head_dim, dtype=torch.bfloat16)
     assert gluon_backward.serves(q, q, is_causal)
@@ -679,7 +679,7 @@ def served_inputs(n_q, n_k, head_dim, dtype):
 def test_gpu_warp_specialized_kernels_are_served_from_their_min_keys(kernel):
     """flash_forward and flash_backward take each Gluon kernel at each entry of its TILES from
     that entry's MIN_KEYS keys, and keep the Triton kernel one key short of it."""
-    if not kernel.is_hopper(torch.device("cuda")):
+    if not gluon_forward.is_hopper(torch.device("cuda")):
         pytest.skip("the warp-specialised kernels are Hopper's")
     for (head_dim, is_causal), min_keys in kernel.MIN_KEYS.items():
         for n_k, served in ((min_keys - 1, False), (min_keys, True)):
@@ -754,7 +754,7 @@ def gluon_backward_from_one_key(monkeypatch):
 def test_gpu_warp_specialized_backward(n_q, n_k, head_dim, is_causal, dtype, gluon_backward_from_one_key):
     """gluon_backward.py's kernel, which flash_backward runs on Hopper at the head dims and
     masks of its TILES: dQ, dK, dV against float64, on views of one projection when N_q = N_k."""
-    if not gluon_backward.is_hopper(torch.device("cuda")):
+    if not gluon_forward.is_hopper(torch.device("cuda")):
         pytest.skip("the warp-specialised backward is Hopper's")
     q, k, v, do = served_inputs(n_q, n_k, head_dim, dtype)
     assert gluon_backward.serves(q, k, is_causal)
@@ -770,7 +770,7 @@ def test_gpu_warp_specialized_backward(n_q, n_k, head_dim, is_causal, dtype, glu
 def test_gpu_warp_specialized_backward_in_the_packed_path(head_dim, is_causal, gluon_backward_from_one_key):
     """The model's route (packed_attention: the gradients written into one tensor, as the
     fused projection's gradient) with the warp-specialised backward, against float64."""
-    if not gluon_backward.is_hopper(torch.device("cuda")):
+    if not gluon_forward.is_hopper(torch.device("cuda")):
         pytest.skip("the warp-specialised backward is Hopper's")
     qkv = torch.randn(2, 1031, 3, 2, head_dim, device="cuda", dtype=torch.bfloat16,
                       generator=torch.Generator(device="cuda").manual_seed(19))
