@@ -9,9 +9,10 @@ share of dQ, five multiplies, and adds that share into a float32 dQ in global me
 
 - The grid is one program per (key tile of 2 * BLOCK_N keys, batch-head).
 - The load partition (one warp) brings the key tile's K and V once, a BLOCK_N-row half for
-  each MMA warpgroup, then streams the Q and dO of every query tile that sees the key tile
-  through a ring of STAGES shared-memory slots. Each slot has three mbarriers: q_ready and
-  do_ready (the copy landed) and qdo_empty (both MMA warpgroups are done with it).
+  each MMA warpgroup, then streams the Q and dO of every query tile that sees the key tile,
+  the last query tile first, through a ring of STAGES shared-memory slots. Each slot has
+  three mbarriers: q_ready and do_ready (the copy landed) and qdo_empty (both MMA warpgroups
+  are done with it).
 - Two MMA partitions (a warpgroup each) own one half of the key tile each: its dK and dV
   accumulators (float32) in registers. For each query tile, everything transposed so that the
   accumulators keep the key tile's shape, as in triton_backward._dkdv_query_tiles:
@@ -27,6 +28,13 @@ share of dQ, five multiplies, and adds that share into a float32 dQ in global me
   buffers. gluon_backward() zeroes that dQ before and casts it to q's dtype after: a float32
   copy of dQ, twice q's bytes, is this kernel's extra memory.
 - At the end dK (times sm_scale) and dV leave through TMA, staged in the K and V buffers.
+
+Why the last query tile first: at head dim 128 it measured faster than the ascending order,
+most of all causal, and a few percent slower at 64 (docs/optimisation.md, "Session 26: the
+backward's query tiles last first"). Every key tile sees the last query tile, causal too, so
+one head's programs, which the GPU runs side by side, start on the same Q, dO and dQ rows and
+walk down together; ascending, causal programs start each at its own diagonal. At head dim 128
+this order also compiles to fewer spilled registers. The diagonal's masked tiles come last.
 
 What the split's two extra products cost, the reduce costs here in traffic: each key tile adds
 a float32 dQ for every query it sees. The reduces land in any order, so unlike
@@ -50,13 +58,14 @@ from .triton_tiles import LOG2_E, query_tile_bounds
 
 # The (head dim, causal) calls this kernel measured faster on, and its constants for each:
 # BLOCK_N keys per MMA warpgroup (the program's key tile is twice that), BLOCK_M query rows per
-# streamed tile, STAGES ring slots. Causal at head dim 128 it was slower than the split.
+# streamed tile, STAGES ring slots.
 TILES = {(64, False): dict(BLOCK_M=64, BLOCK_N=64, STAGES=2),
          (64, True): dict(BLOCK_M=64, BLOCK_N=64, STAGES=2),
-         (128, False): dict(BLOCK_M=64, BLOCK_N=64, STAGES=2)}
+         (128, False): dict(BLOCK_M=64, BLOCK_N=64, STAGES=2),
+         (128, True): dict(BLOCK_M=64, BLOCK_N=64, STAGES=2)}
 # The fewest keys it serves each from: the shortest of the lengths compared (1,024 to 16,384,
 # doubling) where it was faster than the split by more than the rounds' spread.
-MIN_KEYS = {(64, False): 4096, (64, True): 4096, (128, False): 4096}
+MIN_KEYS = {(64, False): 4096, (64, True): 4096, (128, False): 2048, (128, True): 4096}
 # Registers per thread: the MMA warpgroups hold dK and dV (128 at head dim 128), the loader few.
 REGISTERS = dict(MMA_REGISTERS=240, LOAD_REGISTERS=24)
 
@@ -105,8 +114,8 @@ def _query_tile_counts(start_n, N_Q, IS_CAUSAL: gl.constexpr, BLOCK_M: gl.conste
 @gluon.jit
 def _load_partition(Q, K, V, dO, k_smem, v_smem, q_bufs, do_bufs, k_ready, v_ready, q_ready, do_ready, qdo_empty,
                     H, N_Q, IS_CAUSAL: gl.constexpr):
-    """One warp: the key tile's two halves of K and V, then every query tile that sees them, its
-    Q and dO into ring slot i % STAGES (i counts the program's query tiles from 0)."""
+    """One warp: the key tile's two halves of K and V, then every query tile that sees them, the
+    last first: the i-th (from 0) one's Q and dO into ring slot i % STAGES."""
     BLOCK_N: gl.constexpr = k_smem.shape[2] // 2
     BLOCK_M: gl.constexpr = q_bufs.shape[3]
     STAGES: gl.constexpr = q_bufs.shape[0]
@@ -122,8 +131,9 @@ def _load_partition(Q, K, V, dO, k_smem, v_smem, q_bufs, do_bufs, k_ready, v_rea
         tma_load(V, [b, h, start_n + half * BLOCK_N, 0], v_ready.index(half),
                  v_smem.slice(half * BLOCK_N, BLOCK_N, dim=2))
     first, _, last = _query_tile_counts(start_n, N_Q, IS_CAUSAL, BLOCK_M, 2 * BLOCK_N)
-    for m in range(first, last):
-        slot, phase = _ring_slot(m - first, STAGES)
+    for i in range(0, last - first):
+        m = last - 1 - i
+        slot, phase = _ring_slot(i, STAGES)
         # An mbarrier's phase flips each time it completes; waiting on the phase before the
         # first passes at once, so the first wait on an "empty" barrier does not block.
         mbarrier.wait(qdo_empty.index(slot), phase ^ 1)
@@ -135,11 +145,11 @@ def _load_partition(Q, K, V, dO, k_smem, v_smem, q_bufs, do_bufs, k_ready, v_rea
 
 @gluon.jit
 def _query_tiles(dk, dv, k_tile, v_tile, k_cols, q_bufs, do_bufs, ds_smem, dq_smem, q_ready, do_ready, qdo_empty,
-                 ds_ready, ds_free, LSE, DQ, DELTA, b, h, keys, begin, end, first, N_Q, qk_scale, sm_scale,
+                 ds_ready, ds_free, LSE, DQ, DELTA, b, h, keys, begin, end, i_begin, N_Q, qk_scale, sm_scale,
                  HALF: gl.constexpr, MASKED: gl.constexpr, s_layout: gl.constexpr, acc_layout: gl.constexpr):
-    """One MMA warpgroup over query tiles [begin, end), tile m read from ring slot
-    (m - first) % STAGES: dK and dV of its half of the keys, and dQ's columns HALF of the
-    program's whole key tile, reduced into DQ."""
+    """One MMA warpgroup over query tiles [begin, end), the last first, the program's i_begin-th
+    to stream (_load_partition's order): dK and dV of its half of the keys, and dQ's columns
+    HALF of the program's whole key tile, reduced into DQ."""
     BLOCK_M: gl.constexpr = q_bufs.shape[3]
     HEAD_DIM: gl.constexpr = q_bufs.shape[4]
     BLOCK_N: gl.constexpr = k_tile.shape[0]
@@ -151,8 +161,9 @@ def _query_tiles(dk, dv, k_tile, v_tile, k_cols, q_bufs, do_bufs, ds_smem, dq_sm
     row_layout: gl.constexpr = gl.BlockedLayout([1], [32], [4], [0])  # one query row a thread
     no_scores = gl.zeros([BLOCK_N, BLOCK_M], gl.float32, s_layout)
     ds_own = ds_smem.slice(HALF * BLOCK_N, BLOCK_N, dim=0)  # this warpgroup's keys' rows of dS^T
-    for m in range(begin, end):
-        i = m - first
+    for t in range(0, end - begin):
+        m = end - 1 - t
+        i = i_begin + t
         slot, phase = _ring_slot(i, STAGES)
         q_tile = q_bufs.index(slot).reshape([BLOCK_M, HEAD_DIM])
         do_tile = do_bufs.index(slot).reshape([BLOCK_M, HEAD_DIM])
@@ -232,12 +243,13 @@ def _mma_partition(dK, dV, LSE, DQ, DELTA, k_smem, v_smem, q_bufs, do_bufs, ds_s
     mbarrier.wait(k_ready.index(0), 0)  # each is used once: phase 0
     mbarrier.wait(k_ready.index(1), 0)
     mbarrier.wait(v_ready.index(HALF), 0)
+    # The query tiles past the diagonal, then (causal) the ones that cross it, each run last first.
     dk, dv = _query_tiles(dk, dv, k_tile, v_tile, k_cols, q_bufs, do_bufs, ds_smem, dq_smem, q_ready, do_ready,
-                          qdo_empty, ds_ready, ds_free, LSE, DQ, DELTA, b, h, keys, first, unmasked, first, N_Q,
-                          qk_scale, sm_scale, HALF, True, s_layout, acc_layout)
-    dk, dv = _query_tiles(dk, dv, k_tile, v_tile, k_cols, q_bufs, do_bufs, ds_smem, dq_smem, q_ready, do_ready,
-                          qdo_empty, ds_ready, ds_free, LSE, DQ, DELTA, b, h, keys, unmasked, last, first, N_Q,
+                          qdo_empty, ds_ready, ds_free, LSE, DQ, DELTA, b, h, keys, unmasked, last, 0, N_Q,
                           qk_scale, sm_scale, HALF, False, s_layout, acc_layout)
+    dk, dv = _query_tiles(dk, dv, k_tile, v_tile, k_cols, q_bufs, do_bufs, ds_smem, dq_smem, q_ready, do_ready,
+                          qdo_empty, ds_ready, ds_free, LSE, DQ, DELTA, b, h, keys, first, unmasked, last - unmasked,
+                          N_Q, qk_scale, sm_scale, HALF, True, s_layout, acc_layout)
     # The other warpgroup's last dQ product reads this half's K too: wait until both are done
     # (ds_free of the last query tile; passes at once when there was none).
     mbarrier.wait(ds_free.index(0), (last - first - 1) & 1)
