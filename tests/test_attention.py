@@ -674,6 +674,19 @@ def served_inputs(n_q, n_k, head_dim, dtype):
     return q, k, v, do
 
 
+def check_served_packed(kernel, n, head_dim, is_causal, seed):
+    """The model's route (packed_attention: q, k, v views of one projection, O and the gradients
+    written with its strides) where kernel (gluon_forward or gluon_backward) serves the call,
+    against float64 (B = 2, H = 2, bf16)."""
+    if not gluon_forward.is_hopper(torch.device("cuda")):
+        pytest.skip("the warp-specialised kernels are Hopper's")
+    qkv = torch.randn(2, n, 3, 2, head_dim, device="cuda", dtype=torch.bfloat16,
+                      generator=torch.Generator(device="cuda").manual_seed(seed))
+    q, k, _ = (t.transpose(1, 2) for t in qkv.unbind(2))
+    assert kernel.serves(q, k, is_causal)
+    check_packed("triton", qkv.requires_grad_(), is_causal, GPU_TOLERANCE[torch.bfloat16])
+
+
 @gpu
 @pytest.mark.parametrize("kernel", [gluon_forward, gluon_backward], ids=lambda m: m.__name__.split(".")[-1])
 def test_gpu_warp_specialized_kernels_are_served_from_their_min_keys(kernel):
@@ -726,15 +739,8 @@ def test_gpu_warp_specialized_forward_takes_units_in_turn(head_dim, is_causal, g
 @gpu
 @SERVED
 def test_gpu_warp_specialized_forward_in_the_packed_path(head_dim, is_causal, gluon_from_256_keys):
-    """The model's route (packed_attention, O written with (B, N, H, D) strides) with the
-    warp-specialised forward and triton_backward.py's backward after it, against float64."""
-    if not gluon_forward.is_hopper(torch.device("cuda")):
-        pytest.skip("the warp-specialised forward is Hopper's")
-    qkv = torch.randn(2, 257, 3, 2, head_dim, device="cuda", dtype=torch.bfloat16,
-                      generator=torch.Generator(device="cuda").manual_seed(17))
-    q, k, _ = (t.transpose(1, 2) for t in qkv.unbind(2))
-    assert gluon_forward.serves(q, k, is_causal)
-    check_packed("triton", qkv.requires_grad_(), is_causal, GPU_TOLERANCE[torch.bfloat16])
+    """The warp-specialised forward in the model's route, triton_backward.py's backward after it."""
+    check_served_packed(gluon_forward, 257, head_dim, is_causal, seed=17)
 
 
 BACKWARD_SERVED = pytest.mark.parametrize("head_dim,is_causal", list(gluon_backward.TILES))
@@ -768,15 +774,9 @@ def test_gpu_warp_specialized_backward(n_q, n_k, head_dim, is_causal, dtype, glu
 @gpu
 @BACKWARD_SERVED
 def test_gpu_warp_specialized_backward_in_the_packed_path(head_dim, is_causal, gluon_backward_from_one_key):
-    """The model's route (packed_attention: the gradients written into one tensor, as the
-    fused projection's gradient) with the warp-specialised backward, against float64."""
-    if not gluon_forward.is_hopper(torch.device("cuda")):
-        pytest.skip("the warp-specialised backward is Hopper's")
-    qkv = torch.randn(2, 1031, 3, 2, head_dim, device="cuda", dtype=torch.bfloat16,
-                      generator=torch.Generator(device="cuda").manual_seed(19))
-    q, k, _ = (t.transpose(1, 2) for t in qkv.unbind(2))
-    assert gluon_backward.serves(q, k, is_causal)
-    check_packed("triton", qkv.requires_grad_(), is_causal, GPU_TOLERANCE[torch.bfloat16])
+    """The warp-specialised backward in the model's route, its gradients written into the fused
+    projection's."""
+    check_served_packed(gluon_backward, 1031, head_dim, is_causal, seed=19)
 
 
 @gpu
