@@ -52,7 +52,7 @@ from triton.experimental.gluon.language._core import builtin
 from triton.experimental.gluon.language.nvidia.hopper import (fence_async_shared, mbarrier, tma, warpgroup_mma,
                                                              warpgroup_mma_wait)
 
-from .gluon_forward import _ring_slot, _tensor_matrices, hopper_entry, tma_load, tma_store
+from .gluon_forward import _load_into_ring, _ring_slot, _tensor_matrices, hopper_entry, tma_load, tma_store
 from .triton_launch import GRID_Y_LIMIT, set_tma_scratch_allocator
 from .triton_tiles import LOG2_E, query_tile_bounds
 
@@ -118,7 +118,6 @@ def _load_partition(Q, K, V, dO, k_smem, v_smem, q_bufs, do_bufs, k_ready, v_rea
     last first: the i-th (from 0) one's Q and dO into ring slot i % STAGES."""
     BLOCK_N: gl.constexpr = k_smem.shape[2] // 2
     BLOCK_M: gl.constexpr = q_bufs.shape[3]
-    STAGES: gl.constexpr = q_bufs.shape[0]
     bh = gl.program_id(1)
     b = bh // H
     h = bh % H
@@ -132,15 +131,7 @@ def _load_partition(Q, K, V, dO, k_smem, v_smem, q_bufs, do_bufs, k_ready, v_rea
                  v_smem.slice(half * BLOCK_N, BLOCK_N, dim=2))
     first, _, last = _query_tile_counts(start_n, N_Q, IS_CAUSAL, BLOCK_M, 2 * BLOCK_N)
     for i in range(0, last - first):
-        m = last - 1 - i
-        slot, phase = _ring_slot(i, STAGES)
-        # An mbarrier's phase flips each time it completes; waiting on the phase before the
-        # first passes at once, so the first wait on an "empty" barrier does not block.
-        mbarrier.wait(qdo_empty.index(slot), phase ^ 1)
-        mbarrier.expect(q_ready.index(slot), Q.block_type.nbytes)
-        tma_load(Q, [b, h, m * BLOCK_M, 0], q_ready.index(slot), q_bufs.index(slot))
-        mbarrier.expect(do_ready.index(slot), dO.block_type.nbytes)
-        tma_load(dO, [b, h, m * BLOCK_M, 0], do_ready.index(slot), do_bufs.index(slot))
+        _load_into_ring(Q, dO, q_bufs, do_bufs, q_ready, do_ready, qdo_empty, i, b, h, (last - 1 - i) * BLOCK_M)
 
 
 @gluon.jit

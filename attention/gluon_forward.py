@@ -138,6 +138,23 @@ def _q_buffer(tiles_done, half):
 # written in the warp_specialize call (_attn_fwd_warp_specialized).
 
 @gluon.jit
+def _load_into_ring(X, Y, x_bufs, y_bufs, x_ready, y_ready, empty, index, b, h, row):
+    """A loader's step in a ring of two tensors' tiles (here K and V; gluon_backward.py's Q and
+    dO): the program's tile number `index`, rows from `row` of batch-head (b, h) of X and of Y,
+    into ring slot index % STAGES once the consumers have let go of it (mbarrier empty), each
+    copy arriving on its own ready mbarrier."""
+    STAGES: gl.constexpr = x_bufs.shape[0]
+    slot, phase = _ring_slot(index, STAGES)
+    # An mbarrier's phase flips each time it completes; waiting on the phase before the first
+    # passes at once, so the first wait on an "empty" barrier does not block.
+    mbarrier.wait(empty.index(slot), phase ^ 1)
+    mbarrier.expect(x_ready.index(slot), X.block_type.nbytes)
+    tma_load(X, [b, h, row, 0], x_ready.index(slot), x_bufs.index(slot))
+    mbarrier.expect(y_ready.index(slot), Y.block_type.nbytes)
+    tma_load(Y, [b, h, row, 0], y_ready.index(slot), y_bufs.index(slot))
+
+
+@gluon.jit
 def _load_query_tile(Q, K, V, q_smem, k_bufs, v_bufs, q_ready, q_empty, k_ready, v_ready, kv_empty, b, h, start_m,
                      N_K, ring, tiles_done, IS_CAUSAL: gl.constexpr):
     """The loader's part of one query tile: its two halves of Q into the buffers of query tile
@@ -145,22 +162,15 @@ def _load_query_tile(Q, K, V, q_smem, k_bufs, v_bufs, q_ready, q_empty, k_ready,
     j's K and V into ring slot ring % STAGES."""
     BLOCK_M: gl.constexpr = q_smem.shape[3]
     BLOCK_N: gl.constexpr = k_bufs.shape[3]
-    STAGES: gl.constexpr = k_bufs.shape[0]
     _, n_tiles = _key_tile_counts(start_m, N_K, IS_CAUSAL, 2 * BLOCK_M, BLOCK_N)
     for half in gl.static_range(2):
         q_buf, q_phase = _q_buffer(tiles_done, half)
-        # An mbarrier's phase flips each time it completes; waiting on the phase before the
-        # first passes at once, so the first wait on an "empty" barrier does not block.
+        # The first wait on an "empty" barrier passes at once, as in _load_into_ring.
         mbarrier.wait(q_empty.index(q_buf), q_phase ^ 1)
         mbarrier.expect(q_ready.index(q_buf), Q.block_type.nbytes)
         tma_load(Q, [b, h, start_m + half * BLOCK_M, 0], q_ready.index(q_buf), q_smem.index(q_buf))
     for j in range(n_tiles):
-        slot, phase = _ring_slot(ring, STAGES)
-        mbarrier.wait(kv_empty.index(slot), phase ^ 1)
-        mbarrier.expect(k_ready.index(slot), K.block_type.nbytes)
-        tma_load(K, [b, h, j * BLOCK_N, 0], k_ready.index(slot), k_bufs.index(slot))
-        mbarrier.expect(v_ready.index(slot), V.block_type.nbytes)
-        tma_load(V, [b, h, j * BLOCK_N, 0], v_ready.index(slot), v_bufs.index(slot))
+        _load_into_ring(K, V, k_bufs, v_bufs, k_ready, v_ready, kv_empty, ring, b, h, j * BLOCK_N)
         ring += 1
     return ring, tiles_done + 1
 
