@@ -53,7 +53,7 @@ from triton.experimental.gluon.language.nvidia.hopper import (fence_async_shared
                                                              warpgroup_mma_wait)
 
 from .gluon_forward import _load_into_ring, _ring_slot, _tensor_matrices, hopper_entry, tma_load, tma_store
-from .triton_launch import GRID_Y_LIMIT, set_tma_scratch_allocator
+from .triton_launch import GRID_Y_LIMIT, CompiledLaunches, set_tma_scratch_allocator
 from .triton_tiles import LOG2_E, query_tile_bounds
 
 # The (head dim, causal) calls this kernel measured faster on, and its constants for each:
@@ -315,6 +315,10 @@ def _attn_bwd_warp_specialized(Q, K, V, dO, dK, dV, LSE, DELTA, DQ,
     ], [4, 1], [MMA_REGISTERS, LOAD_REGISTERS])
 
 
+# Launched through the compiled kernel, as TunedKernel launches triton_backward.py's (CompiledLaunches).
+_backward_launches = CompiledLaunches(_attn_bwd_warp_specialized)
+
+
 def gluon_backward(q, k, v, do, lse, delta, is_causal, dq, dk, dv):
     """flash_backward's contract, given delta = rowsum(dO * O): q, k, v, do, dk, dv (B, H, N, D)
     descriptor-ready views, lse and delta (B, H, N_q) float32 contiguous. Writes dk and dv, and
@@ -326,8 +330,8 @@ def gluon_backward(q, k, v, do, lse, delta, is_causal, dq, dk, dv):
     set_tma_scratch_allocator()
     grid = (triton.cdiv(N_K, 2 * tiles["BLOCK_N"]), B * H)
     sm_scale = D ** -0.5
-    _attn_bwd_warp_specialized[grid](q, k, v, do, dk, dv, lse, delta, dq_sum, *q.stride()[:3], *k.stride()[:3],
-                                     *v.stride()[:3], *do.stride()[:3], *dk.stride()[:3], *dv.stride()[:3],
-                                     *dq_sum.stride()[:3], B, H, N_Q, N_K, sm_scale * LOG2_E, sm_scale,
-                                     IS_CAUSAL=is_causal, HEAD_DIM=D, **tiles, **REGISTERS, num_warps=4)
+    _backward_launches(grid, q.dtype, (q, k, v, do, dk, dv, lse, delta, dq_sum, *q.stride()[:3], *k.stride()[:3],
+                                       *v.stride()[:3], *do.stride()[:3], *dk.stride()[:3], *dv.stride()[:3],
+                                       *dq_sum.stride()[:3], B, H, N_Q, N_K, sm_scale * LOG2_E, sm_scale),
+                       dict(IS_CAUSAL=is_causal, HEAD_DIM=D, **tiles, **REGISTERS, num_warps=4))
     dq.copy_(dq_sum)

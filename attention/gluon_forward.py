@@ -41,7 +41,7 @@ from triton.experimental.gluon import language as gl
 from triton.experimental.gluon.language.nvidia.hopper import (fence_async_shared, mbarrier, tma, warpgroup_mma,
                                                              warpgroup_mma_wait)
 
-from .triton_launch import INTERPRETING, set_tma_scratch_allocator
+from .triton_launch import INTERPRETING, CompiledLaunches, set_tma_scratch_allocator
 from .triton_tiles import LN_2, LOG2_E, key_tile_bounds, visible_in_tile
 
 # The (head dim, causal) calls this kernel measured faster on, and its constants for each:
@@ -361,6 +361,10 @@ def _attn_fwd_warp_specialized(Q, K, V, O, LSE,
     ], [4, 1], [SOFTMAX_REGISTERS, LOAD_REGISTERS])
 
 
+# Launched through the compiled kernel, as TunedKernel launches triton_forward.py's (CompiledLaunches).
+_forward_launches = CompiledLaunches(_attn_fwd_warp_specialized)
+
+
 def gluon_forward(q, k, v, o, lse, is_causal):
     """flash_forward's contract: q, k, v (B, H, N, D) descriptor-ready views; writes O into o
     (descriptor-ready) and lse into lse (B, H, N_q) float32 contiguous."""
@@ -369,6 +373,6 @@ def gluon_forward(q, k, v, o, lse, is_causal):
     set_tma_scratch_allocator()
     units = B * H * triton.cdiv(triton.cdiv(N_Q, 2 * tiles["BLOCK_M"]), 2)
     grid = (min(units, sm_count(q.device)),)
-    _attn_fwd_warp_specialized[grid](q, k, v, o, lse, *q.stride()[:3], *k.stride()[:3], *v.stride()[:3],
-                                     *o.stride()[:3], B, H, N_Q, k.shape[2], D ** -0.5 * LOG2_E, IS_CAUSAL=is_causal,
-                                     HEAD_DIM=D, **tiles, **REGISTERS, num_warps=4)
+    _forward_launches(grid, q.dtype, (q, k, v, o, lse, *q.stride()[:3], *k.stride()[:3], *v.stride()[:3],
+                                      *o.stride()[:3], B, H, N_Q, k.shape[2], D ** -0.5 * LOG2_E),
+                      dict(IS_CAUSAL=is_causal, HEAD_DIM=D, **tiles, **REGISTERS, num_warps=4))

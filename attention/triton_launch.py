@@ -288,6 +288,41 @@ def config_fields(config):
     return {**config.kwargs, "num_warps": config.num_warps, "num_stages": config.num_stages}
 
 
+class CompiledLaunches:
+    """A kernel's launches, each through the compiled kernel Triton returned for it the first time.
+
+    kernel[grid](...) goes through Triton's launcher, which binds the ~30 arguments, re-derives
+    what the kernel was specialised on and looks the binary up, at each launch. At the model's
+    shapes the GPU would wait on that CPU time, so the compiled kernel is kept, and a later
+    launch with the same key, device, grid, scalar arguments and constexprs calls it directly
+    (docs/optimisation.md, "The launch path", measures the saving). That is safe because
+    everything Triton specialises a binary on is in that launch key or checked: the scalars
+    include every int argument (strides, heads, lengths), the caller's key fixes the tensors'
+    dtype, and their 16-byte alignment is checked at each launch. (The interpreter returns no
+    compiled kernel: every launch takes the long way.)"""
+
+    def __init__(self, kernel):
+        self.kernel = kernel
+        self.compiled = {}  # launch key -> (launch, constexpr args)
+
+    def __call__(self, grid, key, args, constexprs):
+        """kernel[grid](*args, **constexprs). grid: a tuple; key: whatever else fixes the binary,
+        the tensors' dtype at least; args: the kernel's tensors, then its scalars; constexprs: the
+        rest, num_warps included."""
+        num_tensors = next(i for i, a in enumerate(args) if not isinstance(a, torch.Tensor))
+        launch_key = (key, args[0].get_device(), grid, args[num_tensors:], *constexprs.items())
+        aligned = all(t.data_ptr() % 16 == 0 for t in args[:num_tensors])
+        compiled = self.compiled.get(launch_key)
+        if compiled is not None and aligned:
+            launch, constexpr_args = compiled
+            launch(*args, *constexpr_args)
+            return
+        kernel = self.kernel[grid](*args, **constexprs)
+        if kernel is not None and aligned:
+            constexpr_args = tuple(constexprs[name] for name in self.kernel.arg_names[len(args):])
+            self.compiled[launch_key] = kernel[(*grid, 1, 1)[:3]], constexpr_args
+
+
 # How many candidate configs a kernel times at a new tuning key (see TunedKernel.candidates).
 TIMED_CANDIDATES = 3
 
@@ -306,15 +341,8 @@ class TunedKernel:
     timed tunings.
 
     Why not triton.autotune (with key, prune_configs_by and cache_results, which also persists):
-    its launches go through kernel[grid](...), where Triton's launcher binds the ~30 arguments,
-    re-derives what the kernel was specialised on and looks the binary up, at each launch. At
-    the model's shapes the GPU would wait on that CPU time, so here each launch's compiled
-    kernel is kept and later launches with the same tuning key, grid and scalar arguments call
-    it directly (docs/optimisation.md, "The launch path", measures the saving). That is safe
-    because everything Triton specialises a binary on is in that key or checked: the scalars
-    include every int argument (strides, heads, lengths), the tensors' dtype is the tuning
-    key's, and their 16-byte alignment is checked at each launch. (The interpreter returns no
-    compiled kernel: every launch takes the long way.)"""
+    its launches go through kernel[grid](...), at a cost to the host at each launch that
+    CompiledLaunches saves; the tuning key fixes the tensors' dtype for it."""
 
     def __init__(self, kernel, configs, smem_rows):
         """configs: the kernel's configs, best first; or a function of the head dim that returns
@@ -322,7 +350,7 @@ class TunedKernel:
         self.kernel, self.smem_rows = kernel, smem_rows
         self.configs = configs if callable(configs) else lambda head_dim: configs
         self.best = {}  # tuning key -> config
-        self.compiled = {}  # (tuning key, device, grid, scalars, constexprs) -> (launch, constexpr args)
+        self.launches = CompiledLaunches(kernel)
         self.tunings = 0
 
     def __call__(self, grid, key, *args, **constexprs):
@@ -332,20 +360,7 @@ class TunedKernel:
         config = self.best.get(key)
         if config is None:
             config = self.best[key] = self.choose_config(grid, key, args, constexprs)
-        num_tensors = next(i for i, a in enumerate(args) if not isinstance(a, torch.Tensor))
-        grid_size = grid(config.kwargs)
-        launch_key = (key, args[0].get_device(), grid_size, args[num_tensors:], *constexprs.values())
-        aligned = all(t.data_ptr() % 16 == 0 for t in args[:num_tensors])
-        compiled = self.compiled.get(launch_key)
-        if compiled is not None and aligned:
-            launch, constexpr_args = compiled
-            launch(*args, *constexpr_args)
-            return
-        kernel = self.kernel[grid](*args, **constexprs, **config.all_kwargs())
-        if kernel is not None and aligned:
-            values = {**constexprs, **config.kwargs}
-            constexpr_args = tuple(values[name] for name in self.kernel.arg_names[len(args):])
-            self.compiled[launch_key] = kernel[(*grid_size, 1, 1)[:3]], constexpr_args
+        self.launches(grid(config.kwargs), key, args, {**constexprs, **config.all_kwargs()})
 
     def candidates(self, key, q):
         """The configs worth timing for key: those that fit q's card (prune_configs), less those

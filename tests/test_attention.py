@@ -780,6 +780,22 @@ def test_gpu_warp_specialized_backward_in_the_packed_path(head_dim, is_causal, g
 
 
 @gpu
+@SERVED
+def test_gpu_warp_specialized_kernels_launched_again(head_dim, is_causal, gluon_from_256_keys,
+                                                     gluon_backward_from_one_key):
+    """Both Gluon kernels called again at one shape with new data, which goes through their
+    compiled kernels directly (CompiledLaunches), then at another batch size."""
+    if not gluon_forward.is_hopper(torch.device("cuda")):
+        pytest.skip("the warp-specialised kernels are Hopper's")
+    for batch, seed in ((2, 0), (2, 1), (1, 2)):
+        qkv = torch.randn(batch, 300, 3, 2, head_dim, device="cuda", dtype=torch.bfloat16,
+                          generator=torch.Generator(device="cuda").manual_seed(seed))
+        q, k, _ = (t.transpose(1, 2) for t in qkv.unbind(2))
+        assert gluon_forward.serves(q, k, is_causal) and gluon_backward.serves(q, k, is_causal)
+        check_packed("triton", qkv.requires_grad_(), is_causal, GPU_TOLERANCE[torch.bfloat16])
+
+
+@gpu
 @pytest.mark.parametrize("dtype", [torch.bfloat16, torch.float16])
 def test_gpu_packed_attention_at_the_models_shape(dtype):
     """The default model's call (TrainConfig's batch, context and heads) twice with new data:
