@@ -305,21 +305,24 @@ class CompiledLaunches:
         self.kernel = kernel
         self.compiled = {}  # launch key -> (launch, constexpr args)
 
-    def __call__(self, grid, key, args, constexprs):
-        """kernel[grid](*args, **constexprs). grid: a tuple; key: whatever else fixes the binary,
-        the tensors' dtype at least; args: the kernel's tensors, then its scalars; constexprs: the
-        rest, num_warps included."""
+    def __call__(self, grid, key, args, constexprs, config=None):
+        """kernel[grid](*args, **constexprs), with config's constants and options (a
+        triton.Config, which key must fix) when given. grid: a tuple; key: whatever else fixes
+        the binary, the tensors' dtype at least; args: the kernel's tensors, then its scalars;
+        constexprs: the rest (num_warps too, without a config), always passed in one order."""
         num_tensors = next(i for i, a in enumerate(args) if not isinstance(a, torch.Tensor))
-        launch_key = (key, args[0].get_device(), grid, args[num_tensors:], *constexprs.items())
+        launch_key = (key, args[0].get_device(), grid, args[num_tensors:], *constexprs.values())
         aligned = all(t.data_ptr() % 16 == 0 for t in args[:num_tensors])
         compiled = self.compiled.get(launch_key)
         if compiled is not None and aligned:
             launch, constexpr_args = compiled
             launch(*args, *constexpr_args)
             return
-        kernel = self.kernel[grid](*args, **constexprs)
+        options = config.all_kwargs() if config is not None else {}
+        kernel = self.kernel[grid](*args, **constexprs, **options)
         if kernel is not None and aligned:
-            constexpr_args = tuple(constexprs[name] for name in self.kernel.arg_names[len(args):])
+            values = {**constexprs, **options}
+            constexpr_args = tuple(values[name] for name in self.kernel.arg_names[len(args):])
             self.compiled[launch_key] = kernel[(*grid, 1, 1)[:3]], constexpr_args
 
 
@@ -360,7 +363,7 @@ class TunedKernel:
         config = self.best.get(key)
         if config is None:
             config = self.best[key] = self.choose_config(grid, key, args, constexprs)
-        self.launches(grid(config.kwargs), key, args, {**constexprs, **config.all_kwargs()})
+        self.launches(grid(config.kwargs), key, args, constexprs, config)
 
     def candidates(self, key, q):
         """The configs worth timing for key: those that fit q's card (prune_configs), less those
