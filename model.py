@@ -415,8 +415,15 @@ class GPT(nn.Module):
         return idx
 
 
+# Inductor options on top of the mode's: combo kernels launch independent small kernels as one
+# (a step's many little casts and elementwise kernels), which measured less GPU time per
+# compiled training step on the H200 (docs/benchmarks.md, session 29).
+INDUCTOR_OPTIONS = {"combo_kernels": True}
+
+
 def compile_model(model, mode):
-    """torch.compile(model, mode=mode). With CUDA graphs (reduce-overhead, max-autotune) a
+    """torch.compile(model, mode=mode), with INDUCTOR_OPTIONS (torch.compile takes a mode or
+    options, so the mode goes in as its options). With CUDA graphs (reduce-overhead, max-autotune) a
     parameter's gradient can come out of the graph's memory, which the next micro-batch's
     replay overwrites while autograd still holds the first micro-batch's gradient as .grad, so
     accumulated gradients could be silently wrong (as reported in pytorch issue 96693; we did
@@ -428,4 +435,4 @@ def compile_model(model, mode):
         for param in model.parameters():
             if param.requires_grad:
                 param.register_hook(torch.clone)
-    return torch.compile(model, mode=mode)
+    return torch.compile(model, options={**torch._inductor.list_mode_options(mode), **INDUCTOR_OPTIONS})
