@@ -22,7 +22,8 @@ from attention.inputs import unpack_heads
 from attention.tiled import tiled_forward
 from attention.triton_backward import BACKWARD_CONFIGS, backward_configs, backward_smem_rows, flash_backward
 from attention.triton_forward import FORWARD_CONFIGS, flash_forward, forward_smem_rows
-from attention.triton_launch import TunedKernel, TuningKey, descriptor_ready, prune_configs, tuning_key
+from attention.triton_launch import (CompiledLaunches, TunedKernel, TuningKey, descriptor_ready, prune_configs,
+                                     tuning_key)
 from training.train_config import TrainConfig
 
 import triton  # noqa: E402, I001  (after attention, which decides whether Triton interprets)
@@ -219,6 +220,24 @@ def test_tuned_kernel_reuses_a_compiled_kernel_only_for_the_same_launch():
     tuned(grid, key, x, 32)                            # another scalar: full
     tuned(lambda meta: (2, 1), key, x, 64)             # another grid: full
     tuned(grid, key, torch.randn(1025)[1:].view(64, 16), 64)  # a tensor off 16-byte alignment: full
+    assert [launch if launch == "full" else launch[0] for launch in kernel.launches] == \
+        ["full", "direct", "full", "full", "full"]
+    _, grid_size, args = kernel.launches[1]
+    assert grid_size == (4, 1, 1) and args[1:] == (64, 16)  # the scalar, then the constexpr BLOCK_M
+
+
+def test_compiled_launches_without_a_config_pass_the_constexprs_and_tell_them_apart():
+    """The Gluon kernels' route (no config): a direct launch hands the compiled kernel the
+    constexprs after the arguments, in the kernel's order; another constexpr value, key (dtype)
+    or scalar is a full launch."""
+    kernel = FakeKernel()
+    launches = CompiledLaunches(kernel)
+    x = torch.randn(64, 16)
+    launches((4,), torch.float32, (x, 64), dict(BLOCK_M=16, num_warps=4))             # full
+    launches((4,), torch.float32, (torch.randn(64, 16), 64), dict(BLOCK_M=16, num_warps=4))  # direct
+    launches((4,), torch.float32, (x, 64), dict(BLOCK_M=32, num_warps=4))             # another constexpr: full
+    launches((4,), torch.bfloat16, (x, 64), dict(BLOCK_M=16, num_warps=4))            # another key: full
+    launches((4,), torch.float32, (x, 65), dict(BLOCK_M=16, num_warps=4))             # another scalar: full
     assert [launch if launch == "full" else launch[0] for launch in kernel.launches] == \
         ["full", "direct", "full", "full", "full"]
     _, grid_size, args = kernel.launches[1]
