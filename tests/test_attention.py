@@ -802,16 +802,23 @@ def test_gpu_warp_specialized_backward_in_the_packed_path(head_dim, is_causal, g
 @SERVED
 def test_gpu_warp_specialized_kernels_launched_again(head_dim, is_causal, gluon_from_256_keys,
                                                      gluon_backward_from_one_key):
-    """Both Gluon kernels called again at one shape with new data, which goes through their
-    compiled kernels directly (CompiledLaunches), then at another batch size."""
+    """Both Gluon kernels called again at one shape with new data, which goes through the
+    compiled kernels kept by the first call (CompiledLaunches keeps no new one), then at another
+    batch size, which keeps as many new ones as the first call."""
     if not gluon_forward.is_hopper(torch.device("cuda")):
         pytest.skip("the warp-specialised kernels are Hopper's")
+    launches = (gluon_forward._forward_launches, gluon_backward._backward_launches)
+    kept = []  # per call: how many compiled kernels each Gluon kernel newly kept
     for batch, seed in ((2, 0), (2, 1), (1, 2)):
         qkv = torch.randn(batch, 300, 3, 2, head_dim, device="cuda", dtype=torch.bfloat16,
                           generator=torch.Generator(device="cuda").manual_seed(seed))
         q, k, _ = (t.transpose(1, 2) for t in qkv.unbind(2))
         assert gluon_forward.serves(q, k, is_causal) and gluon_backward.serves(q, k, is_causal)
+        before = [len(launch.compiled) for launch in launches]
         check_packed("triton", qkv.requires_grad_(), is_causal, GPU_TOLERANCE[torch.bfloat16])
+        kept.append([len(launch.compiled) - n for launch, n in zip(launches, before)])
+    first, again, other_batch = kept
+    assert all(n > 0 for n in first) and again == [0, 0] and other_batch == first
 
 
 @gpu
