@@ -4,12 +4,14 @@
                                 [--modes=none,default,reduce-overhead,none+graph,default+graph]
 
 One process per block size. The model is train.py's default (TrainConfig) over the dense
-TinyShakespeare vocabulary; batch = --tokens (by default the default's tokens per micro-batch)
-/ block_size sequences, at least one, so every micro-batch holds the same tokens whatever the
-context (up to --tokens); the default's micro-batches a step, bf16 autocast, fused AdamW, CUDA
-memory capped at 12 GiB (the target card). Random tokens: no data needed. A mode is "none"
-(uncompiled) or a torch.compile mode; "+graph" captures the forward and backward passes in one
-CUDA graph as train.py --cuda_graph=True does (training/step_graph.py).
+TinyShakespeare vocabulary, but with dropout 0, and the step does not clip the gradient
+(train.py --profile=True measures the default run itself, with both). Batch = --tokens (by
+default the default's tokens per micro-batch) / block_size sequences, at least one, so every
+micro-batch holds the same tokens whatever the context (up to --tokens); the default's
+micro-batches a step, bf16 autocast, fused AdamW, CUDA memory capped at 12 GiB (the target
+card). Random tokens: no data needed. A mode is "none" (uncompiled) or a torch.compile mode;
+"+graph" captures the forward and backward passes in one CUDA graph as train.py
+--cuda_graph=True does (training/step_graph.py).
 
 Per mode, every backend's model is built and warmed up (5 steps, which compile), then the
 backends take turns: --rounds rounds of 5 synchronised steps each, the order reversed every other
