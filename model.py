@@ -294,6 +294,10 @@ class GPT(nn.Module):
         """Logits for every position and the mean cross-entropy when targets are given;
         without targets, only the last position's logits (all that generation needs).
 
+        With targets the logits come back detached: the loss is what training differentiates.
+        A compiled model's backward takes a gradient for every output that requires one, and
+        autograd would fill a zero gradient the size of the logits for it at every step.
+
         cache (from new_cache()): idx continues the tokens already in it, at the positions
         after them, and its keys and values are stored. An empty cache takes any number of
         tokens (a prefill); a filled one takes one token at a time."""
@@ -317,7 +321,7 @@ class GPT(nn.Module):
         with labelled(OUTPUT_RANGE):
             logits = self.lm_head(x)
             loss = F.cross_entropy(logits.view(-1, logits.size(-1)), targets.view(-1), ignore_index=-1)
-        return logits, loss
+        return logits.detach(), loss
 
     def hidden_states(self, idx, pos, cache=None):
         """The final LayerNorm's output (B, T, n_embd) for tokens idx at positions pos (T,)."""

@@ -1,6 +1,8 @@
 """model.py: causality, backend agreement, the q/k/v layout handed to attention, sampling."""
 import pytest
 import torch
+from functorch.compile import make_boxed_func
+from torch._dynamo.backends.common import aot_autograd
 
 import model as model_module
 from model import GPT, GPTConfig
@@ -71,6 +73,27 @@ def test_a_compiled_model_matches_the_plain_model(attn):
     for name, grad in grads.items():
         torch.testing.assert_close(grads_compiled[name], grad, rtol=1e-4, atol=1e-5, msg=name)
     assert grads["transformer.h.0.attn.c_attn.weight"].abs().sum() > 0
+
+
+def test_a_compiled_backward_takes_no_gradient_for_the_training_logits():
+    """Training differentiates the loss alone. Were the logits returned attached, the compiled
+    backward would take a gradient for them too, which autograd fills with zeros: a
+    (batch x block_size x vocab) fill at every step, and a read of it in the backward."""
+    tangents = []
+
+    def record_tangents(graph, example_inputs):
+        tangents.append([node.name for node in graph.graph.nodes
+                         if node.op == "placeholder" and node.name.startswith("tangents")])
+        return make_boxed_func(graph.forward)
+
+    backend = aot_autograd(fw_compiler=lambda graph, example_inputs: make_boxed_func(graph.forward),
+                           bw_compiler=record_tangents)
+    gpt = small_gpt(vocab_size=100)
+    idx = random_tokens(length=12) % 100
+    logits, loss = torch.compile(gpt, backend=backend, fullgraph=True)(idx, targets=idx)
+    loss.backward()
+    assert not logits.requires_grad and loss.requires_grad
+    assert tangents == [["tangents_1"]]  # the loss's gradient only
 
 
 def test_training_hands_attention_the_fused_projection(monkeypatch):
