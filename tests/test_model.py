@@ -66,7 +66,7 @@ def test_a_compiled_model_matches_the_plain_model(attn):
         run = torch.compile(gpt, backend="aot_eager", fullgraph=attn != "tiled") if compiled else gpt
         logits, loss = run(idx, targets=idx)
         loss.backward()
-        results.append((logits.detach(), loss.detach(), {name: p.grad for name, p in gpt.named_parameters()}))
+        results.append((logits, loss.detach(), {name: p.grad for name, p in gpt.named_parameters()}))
     (logits, loss, grads), (logits_compiled, loss_compiled, grads_compiled) = results
     torch.testing.assert_close(logits_compiled, logits, rtol=1e-5, atol=1e-5)
     torch.testing.assert_close(loss_compiled, loss, rtol=1e-5, atol=1e-5)
@@ -81,13 +81,15 @@ def test_a_compiled_backward_takes_no_gradient_for_the_training_logits():
     (batch x block_size x vocab) fill at every step, and a read of it in the backward."""
     tangents = []
 
+    def run_as_traced(graph, example_inputs):
+        return make_boxed_func(graph.forward)
+
     def record_tangents(graph, example_inputs):
         tangents.append([node.name for node in graph.graph.nodes
                          if node.op == "placeholder" and node.name.startswith("tangents")])
-        return make_boxed_func(graph.forward)
+        return run_as_traced(graph, example_inputs)
 
-    backend = aot_autograd(fw_compiler=lambda graph, example_inputs: make_boxed_func(graph.forward),
-                           bw_compiler=record_tangents)
+    backend = aot_autograd(fw_compiler=run_as_traced, bw_compiler=record_tangents)
     gpt = small_gpt(vocab_size=100)
     idx = random_tokens(length=12) % 100
     logits, loss = torch.compile(gpt, backend=backend, fullgraph=True)(idx, targets=idx)
