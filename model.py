@@ -1,10 +1,12 @@
 """A GPT-2 style language model whose attention runs on a chosen backend.
 
 Pre-LayerNorm transformer blocks, a GELU MLP, learned position embeddings and an output
-layer tied to the token embedding, initialised as GPT-2 was. The only departure from a
-textbook GPT is that CausalSelfAttention hands its fused q, k, v projection to
-`attention.packed_attention` (to `attention.decode_attention` for a decoding step), so the same
-model trains and generates with the eager reference, PyTorch's sdpa, or this repo's own kernels.
+layer tied to the token embedding, initialised as GPT-2 was. CausalSelfAttention hands the q,
+k, v views of its fused projection to `attention.attention` (to `attention.decode_attention` for
+a decoding step), so the same model trains and generates with the eager reference, PyTorch's
+sdpa, or this repo's own kernels. Two keys go beyond GPT-2, both off by default: n_kv_head, for
+grouped-query attention (fewer key/value heads than query heads, as Llama and Mistral have), and
+window, a sliding window over the keys (as Mistral and the speedrun GPTs use).
 
 Generation can keep a KVCache: every layer's keys and values of the tokens fed so far, so
 each step feeds only the newest token. The prompt goes in first as a normal call (a prefill:
@@ -26,7 +28,7 @@ import torch
 import torch.nn as nn
 import torch.nn.functional as F
 
-from attention import BACKENDS, decode_attention, packed_attention, store_in_cache
+from attention import BACKENDS, attention, decode_attention, store_in_cache
 
 # torch.profiler ranges that training/profiling.py sorts a step's time by.
 ATTENTION_RANGE = "attention"
@@ -45,24 +47,42 @@ def labelled(name):
 
 @dataclass
 class GPTConfig:
-    block_size: int = 256
-    vocab_size: int = 50257  # GPT-2's tokenizer; the embedding is padded (see padded_vocab_size)
-    n_layer: int = 6
-    n_head: int = 6
+    """The defaults are the default run's (train.py with no arguments; training/config.py says
+    why each value)."""
+    block_size: int = 512
+    vocab_size: int = 11706  # the GPT-2 tokens TinyShakespeare uses, renumbered densely (data/shakespeare/prepare.py)
+    n_layer: int = 8
+    n_head: int = 12
+    n_kv_head: int = 0  # key/value heads, a divisor of n_head; 0: n_head (multi-head attention)
     n_embd: int = 384
-    dropout: float = 0.0
-    bias: bool = True  # biases in Linear layers and LayerNorms, as GPT-2 has
+    window: int = -1  # each query sees itself and the `window` keys before it; -1: every key before it
+    dropout: float = 0.35
+    bias: bool = False  # biases in Linear layers and LayerNorms (GPT-2 has them)
     attn: str = "eager"
+
+    def __post_init__(self):
+        if self.n_kv_head == 0:
+            self.n_kv_head = self.n_head
+
+    @property
+    def head_dim(self):
+        return self.n_embd // self.n_head
+
+    @property
+    def window_size(self):
+        """attention's (left, right): causal, and left = window."""
+        return (self.window, 0)
 
     @property
     def padded_vocab_size(self):
-        # 50257 -> 50304, a multiple of 64: matmuls on the output layer tile evenly on GPUs.
+        # A multiple of 64 (11706 -> 11712, GPT-2's 50257 -> 50304): output-layer matmuls tile evenly on GPUs.
         return math.ceil(self.vocab_size / 64) * 64
 
 
 class KVCache:
     """Every layer's keys and values: layers[i] is layer i's (k, v), two static
-    (B, H, block_size, D) buffers, of which positions [0, length) are filled. Allocated whole and
+    (B, n_kv_head, block_size, D) buffers (grouped-query attention keeps n_head / n_kv_head
+    times fewer bytes), of which positions [0, length) are filled. Allocated whole and
     zeroed up front (a masked key's probability is 0, but 0 * NaN from uninitialised memory would
     still be NaN), they never grow or move: a model with learned positions cannot see past
     block_size anyway (see GPT.generate for what happens there), and a decode step, compiled or
@@ -184,36 +204,38 @@ class StaticDecoder:
 class CausalSelfAttention(nn.Module):
     def __init__(self, config):
         super().__init__()
-        self.n_head = config.n_head
+        self.n_head, self.n_kv_head, self.head_dim = config.n_head, config.n_kv_head, config.head_dim
+        self.window_size = config.window_size
         self.attn_backend = config.attn
-        self.c_attn = nn.Linear(config.n_embd, 3 * config.n_embd, bias=config.bias)
+        # One matmul projects q (n_head heads), k and v (n_kv_head heads each).
+        self.c_attn = nn.Linear(config.n_embd, (config.n_head + 2 * config.n_kv_head) * self.head_dim, bias=config.bias)
         self.c_proj = nn.Linear(config.n_embd, config.n_embd, bias=config.bias)
         # Only the residual output gets dropout: the fused backends never materialise the
         # attention probabilities, so there is nothing to drop inside attention itself.
         self.resid_dropout = nn.Dropout(config.dropout)
 
     def forward(self, x, kv_cache=None, pos=None):
-        """kv_cache: this layer's (k, v) cache buffers, (B, H, block_size, D) each; pos (T,): the
-        positions of x's tokens, a device tensor, where their keys and values are stored."""
+        """kv_cache: this layer's (k, v) cache buffers, (B, n_kv_head, block_size, D) each; pos
+        (T,): the positions of x's tokens, a device tensor, where their keys and values are stored."""
         B, T, C = x.shape
-        head_dim = C // self.n_head
-        qkv = self.c_attn(x).view(B, T, 3, self.n_head, head_dim)
+        qkv = self.c_attn(x).view(B, T, self.n_head + 2 * self.n_kv_head, self.head_dim)
+        # (B, heads, T, D) views of the projection: the kernels read them through their strides.
+        q, k, v = qkv.transpose(1, 2).split([self.n_head, self.n_kv_head, self.n_kv_head], dim=1)
         if kv_cache is not None and T == 1:
             # One new token (a decode step, or a one-token prompt): decode_attention stores its
             # key and value at pos and lets its query see the cached keys up to its own, all in
             # its past, so nothing else is masked.
-            y = decode_attention(qkv, *kv_cache, pos, backend=self.attn_backend)
+            y = decode_attention(q, k, v, *kv_cache, pos, self.window_size, backend=self.attn_backend)
         else:
             if kv_cache is not None:
                 # A prefill into an empty cache: store the prompt's keys and values, then attend
                 # as training does, over the same T tokens, top-left causal, so its logits are
                 # exactly those of the same tokens fed without a cache.
-                store_in_cache(qkv, *kv_cache, pos)
-            # The fused projection goes to attention whole (q, k, v = qkv.unbind(2)), which spares
-            # the triton backend six autograd nodes a layer (attention/__init__.py).
+                store_in_cache(k, v, *kv_cache, pos)
             with labelled(ATTENTION_RANGE):
-                y = packed_attention(qkv, is_causal=True, backend=self.attn_backend)
-        y = y.reshape(B, T, C)  # (B, T, H, D) -> (B, T, H * D): free when y is contiguous
+                y = attention(q, k, v, is_causal=True, backend=self.attn_backend, window_size=self.window_size)
+        # (B, H, T, D) laid out (B, T, H, D) (every backend keeps q's memory order) -> (B, T, C): no copy
+        y = y.transpose(1, 2).reshape(B, T, C)
         return self.resid_dropout(self.c_proj(y))
 
 
@@ -249,6 +271,10 @@ class GPT(nn.Module):
             raise ValueError(f"attn={config.attn!r} is not one of {BACKENDS}")
         if config.n_embd % config.n_head != 0:
             raise ValueError(f"n_embd={config.n_embd} must be divisible by n_head={config.n_head}")
+        if config.n_kv_head < 1 or config.n_head % config.n_kv_head != 0:
+            raise ValueError(f"n_kv_head={config.n_kv_head} must divide n_head={config.n_head}")
+        if config.window < -1:
+            raise ValueError(f"window={config.window} must be -1 (no window) or an int >= 0")
         self.config = config
         self.transformer = nn.ModuleDict(dict(
             wte=nn.Embedding(config.padded_vocab_size, config.n_embd),
@@ -287,7 +313,7 @@ class GPT(nn.Module):
         dtype: that of the keys it will hold (autocast's, under autocast); by default the
         weights'. device: by default the weights'."""
         cfg, weight = self.config, self.lm_head.weight
-        return KVCache(cfg.n_layer, batch_size, cfg.n_head, cfg.block_size, cfg.n_embd // cfg.n_head,
+        return KVCache(cfg.n_layer, batch_size, cfg.n_kv_head, cfg.block_size, cfg.head_dim,
                        dtype or weight.dtype, device or weight.device)
 
     def forward(self, idx, targets=None, cache=None):
@@ -349,7 +375,7 @@ class GPT(nn.Module):
         generated kernel's block sizes, it has Inductor write a matmul of one row (batch-1
         decoding) as a reduction, which it fuses with the layer norm before it and the GELU or
         residual add after it, where cuBLAS would run each matmul as a kernel of its own
-        (docs/benchmarks.md, session 15, measures both)."""
+        (docs/results.md has the tokens/s)."""
         options = {"coordinate_descent_tuning": True} if backend == "inductor" else None
         self.decode_step = torch.compile(self.decode_step, backend=backend, fullgraph=True, dynamic=False,
                                          options=options)
@@ -420,8 +446,8 @@ class GPT(nn.Module):
 
 
 # Inductor options on top of the mode's: combo kernels launch independent small kernels as one
-# (a step's many little casts and elementwise kernels), which measured less GPU time per
-# compiled training step on the H200 (docs/benchmarks.md, session 29).
+# (a step's many little casts and elementwise kernels), which measured 4% less GPU time per
+# compiled training step on the H200.
 INDUCTOR_OPTIONS = {"combo_kernels": True}
 
 
@@ -430,8 +456,8 @@ def compile_model(model, mode):
     options, so the mode goes in as its options). With CUDA graphs (reduce-overhead, max-autotune) a
     parameter's gradient can come out of the graph's memory, which the next micro-batch's
     replay overwrites while autograd still holds the first micro-batch's gradient as .grad, so
-    accumulated gradients could be silently wrong (as reported in pytorch issue 96693; we did
-    not reproduce it without the hook). A hook hands autograd a copy instead, and
+    accumulated gradients could be silently wrong (as reported upstream, pytorch/pytorch#96693;
+    we did not reproduce it without the hook). A hook hands autograd a copy instead, and
     tests/test_compile_gpu.py checks accumulation through CUDA graphs against the plain model.
     (On the CPU there are no CUDA graphs.) train.py calls
     torch.compiler.cudagraph_mark_step_begin() before every forward for the same reason."""

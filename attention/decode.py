@@ -1,20 +1,23 @@
 """Attention for one decoding step against a static KV cache, on every backend.
 
     from attention import decode_attention
-    y = decode_attention(qkv, k_cache, v_cache, pos, backend="triton")
+    y = decode_attention(q, k, v, k_cache, v_cache, pos, window_size=(-1, -1), backend="triton")
 
-qkv is the new token's fused projection, (B, 1, 3, H, D), as packed_attention takes it (q, k,
-v = qkv.unbind(2)). k_cache and v_cache are (B, H, S, D): the whole preallocated cache, S =
-block_size. pos is an integer tensor of shape (1,) on qkv's device: the new token's position,
-the same in every sequence, 0 <= pos < S. A step stores the token's key and value at row pos of
-the caches (in place), then its query attends over keys [0, pos], its own the last; every one
-is in its past, so there is no causal mask. It returns (B, 1, H, D), as packed_attention does.
+q is the new token's query, (B, H, 1, D); k and v its key and value, (B, H_kv, 1, D) (views of
+the model's fused projection, any strides). k_cache and v_cache are (B, H_kv, S, D): the whole
+preallocated cache, S = block_size. pos is an int64 tensor of shape (1,) on q's device: the new
+token's position, the same in every sequence, 0 <= pos < S. A step stores the token's key and
+value at row pos of the caches (in place), then its query attends over the cached keys
+[pos - left, pos], its own the last; every one is in its past, so there is no causal mask, and
+a window's right side does not matter. It returns (B, H, 1, D). Rows of the cache past pos are
+never read into the result, whatever they hold (stale keys and values, NaN).
 
 Why the whole cache and a position on the device, rather than k_cache[:, :, :n]: the step then
 has the same shapes whatever the cache holds, so torch.compile compiles it once, a CUDA graph
-can replay it, and no backend meets a new shape (a new kernel plan, a new tuning) at each token.
-Why the store is in here: the triton backend makes it inside its kernel (triton_decode.py). The
-others store with index_copy_, then eager and sdpa mask keys past pos, and tiled stops at them.
+can replay it, and no backend meets a new shape at each token. Why the store is in here: the
+triton backend makes it inside its kernel (triton_decode.py), sparing a compiled step the
+kernels that would write the cache. The others store with index_copy_, then eager and sdpa mask
+keys outside the window, and tiled masks them tile by tile.
 """
 import functools
 import math
@@ -22,89 +25,105 @@ import math
 import torch
 import torch.nn.functional as F
 
-from .eager import masked_attention_with_lse
-from .inputs import check_packed_inputs, check_tensor, check_triton_inputs, unpack_heads
+from .eager import masked_attention_with_lse, window_bounds
+from .inputs import check_inputs, check_mask, check_tensor, check_triton_inputs
 from .tiled import online_softmax_update
 from .triton_decode import triton_decode_attention
 
 
-def check_decode_inputs(qkv, k_cache, v_cache, pos):
-    check_packed_inputs(qkv, False)
-    if qkv.shape[1] != 1:
-        raise ValueError(f"qkv must have shape (B, 1, 3, H, D), one new token per sequence, got shape "
-                         f"{tuple(qkv.shape)}")
-    B, _, _, H, D = qkv.shape
+def check_decode_inputs(q, k, v, k_cache, v_cache, pos, window_size):
+    check_inputs(q, k, v, False)
+    check_mask(False, window_size)
+    if q.dim() != 4 or q.shape[2] != 1:
+        raise ValueError(f"q must have shape (B, H, 1, D), one new token per sequence, got shape {tuple(q.shape)}")
+    B, H_kv, _, D = k.shape
     for name, cache in (("k_cache", k_cache), ("v_cache", v_cache)):
         check_tensor(name, cache)
-        if cache.dim() != 4 or (cache.shape[0], cache.shape[1], cache.shape[3]) != (B, H, D):
-            raise ValueError(f"{name} must have shape (B, H, S, D) = ({B}, {H}, S, {D}) to match qkv "
-                             f"{tuple(qkv.shape)}, got shape {tuple(cache.shape)}")
-        if cache.dtype != qkv.dtype or cache.device != qkv.device:
-            raise ValueError(f"{name} is {cache.dtype} on {cache.device} but qkv is {qkv.dtype} on {qkv.device}; "
-                             "the cache stores the projection's keys and values as they are")
+        if cache.dim() != 4 or (cache.shape[0], cache.shape[1], cache.shape[3]) != (B, H_kv, D):
+            raise ValueError(f"{name} must have shape (B, H_kv, S, D) = ({B}, {H_kv}, S, {D}) to match k "
+                             f"{tuple(k.shape)}, got shape {tuple(cache.shape)}")
+        if cache.shape[2] == 0:
+            raise ValueError(f"{name} has S=0 rows: a cache needs a row for the new token at pos")
+        if cache.dtype != q.dtype or cache.device != q.device:
+            raise ValueError(f"{name} is {cache.dtype} on {cache.device} but q is {q.dtype} on {q.device}; the "
+                             "cache stores the projection's keys and values as they are")
     if v_cache.shape != k_cache.shape:
-        raise ValueError(f"v_cache has shape {tuple(v_cache.shape)} but k_cache has {tuple(k_cache.shape)}; they "
-                         "must match")
-    if not isinstance(pos, torch.Tensor) or pos.is_floating_point() or pos.is_complex():
-        raise ValueError(f"pos must be an integer torch.Tensor (the new token's position), got {pos!r}")
-    if pos.device != qkv.device:
-        raise ValueError(f"pos is on {pos.device} but qkv is on {qkv.device}: keep it on qkv's device, so that the "
-                         "step never copies from the host")
+        raise ValueError(f"v_cache has shape {tuple(v_cache.shape)} but k_cache has {tuple(k_cache.shape)}")
+    check_position(pos, q.device, k_cache.shape[2])
+
+
+def check_position(pos, device, n_cache):
+    """pos: an int64 tensor of shape (1,) on device, in [0, n_cache). Its value is checked where
+    the host can read it without breaking a compiled graph or a CUDA graph capture (which is where
+    the model decodes on a GPU); there a bad value is the caller's bug, and the triton kernel
+    clamps it into the cache rather than write outside it."""
+    if not isinstance(pos, torch.Tensor) or pos.dtype != torch.int64:
+        raise ValueError(f"pos must be an int64 torch.Tensor (the new token's position), got {pos!r}")
+    if pos.device != device:
+        raise ValueError(f"pos is on {pos.device} but q is on {device}: keep it on q's device, so that the step "
+                         "never copies from the host")
     if pos.shape != (1,):
         raise ValueError(f"pos must have shape (1,), one position for every sequence, got {tuple(pos.shape)}")
+    capturing = pos.is_cuda and torch.cuda.is_current_stream_capturing()
+    if not torch.compiler.is_compiling() and not capturing and not 0 <= int(pos) < n_cache:
+        raise ValueError(f"pos={int(pos)} is outside the cache's S={n_cache} rows")
 
 
-def key_visible(n_keys, batch, n_cache):
-    """(B, 1, 1, S) bool: True where sequence b's query may see cached key j (j < n_keys)."""
-    return torch.arange(n_cache, device=n_keys.device) < n_keys.reshape(-1, 1, 1, 1).expand(batch, 1, 1, 1)
-
-
-def eager_decode_attention(q, k_cache, v_cache, n_keys):
-    """The reference: eager.py's attention over the whole cache, keys past n_keys masked."""
-    return masked_attention_with_lse(q, k_cache, v_cache, key_visible(n_keys, q.shape[0], k_cache.shape[2]))[0]
-
-
-def tiled_decode_attention(q, k_cache, v_cache, n_keys, tile_size=64):
-    """tiled.py's online softmax for one query row: walk the cache in key tiles, each folded
-    into the running (m_i, l_i, acc) by tiled.online_softmax_update. S is static, so every
-    tile is visited and masked past n_keys (tile 0 always holds a visible key, as n_keys >= 1)."""
-    compute = torch.float64 if q.dtype == torch.float64 else torch.float32
-    q_row = q.to(compute) / math.sqrt(q.shape[-1])
-    visible = key_visible(n_keys, q.shape[0], k_cache.shape[2])
-    m_i = torch.full(q.shape[:-1], float("-inf"), dtype=compute, device=q.device)
-    l_i = torch.zeros_like(m_i)
-    acc = torch.zeros_like(q_row)
-    for k_start in range(0, k_cache.shape[2], tile_size):
-        k_end = min(k_start + tile_size, k_cache.shape[2])
-        scores = q_row @ k_cache[:, :, k_start:k_end].to(compute).transpose(-2, -1)
-        scores = scores.masked_fill(~visible[..., k_start:k_end], float("-inf"))
-        m_i, l_i, acc = online_softmax_update(m_i, l_i, acc, scores, v_cache[:, :, k_start:k_end])
-    return (acc / l_i[..., None]).to(q.dtype)
-
-
-def sdpa_decode_attention(q, k_cache, v_cache, n_keys):
-    return F.scaled_dot_product_attention(q, k_cache, v_cache, attn_mask=key_visible(n_keys, q.shape[0],
-                                                                                      k_cache.shape[2]))
-
-
-def store_in_cache(qkv, k_cache, v_cache, pos):
-    """Write the keys and values of qkv (B, T, 3, H, D) into the caches at positions pos (T,):
-    a decode step's one token here, a prefill's prompt in the model."""
-    _, k, v = unpack_heads(qkv)
+def store_in_cache(k, v, k_cache, v_cache, pos):
+    """Write k and v (B, H_kv, T, D) into the caches at positions pos (T,): a decode step's one
+    token here, a prefill's prompt in the model."""
     k_cache.index_copy_(2, pos, k)
     v_cache.index_copy_(2, pos, v)
 
 
-def store_then_attend(qkv, k_cache, v_cache, pos, attend):
-    """eager, tiled and sdpa: store the new key and value with index_copy_, then attend over the
-    first n_keys = pos + 1 keys of the cache."""
-    store_in_cache(qkv, k_cache, v_cache, pos)
-    return attend(unpack_heads(qkv)[0], k_cache, v_cache, pos + 1).transpose(1, 2)
+def cached_keys(pos, left, n_cache):
+    """(1, 1, 1, S) bool: the cached keys a query at pos sees, [pos - left, pos]."""
+    rows = torch.arange(n_cache, device=pos.device)
+    return ((rows <= pos) & (rows >= pos - left)).view(1, 1, 1, n_cache)
 
 
-def triton_kernel_decode_attention(qkv, k_cache, v_cache, pos):
-    check_triton_inputs(qkv, k_cache, v_cache, names=("qkv", "k_cache", "v_cache"))
-    return triton_decode_attention(qkv, k_cache, v_cache, pos)
+def eager_decode_attention(q, k_cache, v_cache, visible):
+    """The reference: eager.py's attention over the whole cache, keys outside visible masked and
+    their values zeroed, so that 0 * a stale NaN cannot reach the output."""
+    return masked_attention_with_lse(q, k_cache, v_cache.masked_fill(~visible.mT, 0.0), visible)[0]
+
+
+def tiled_decode_attention(q, k_cache, v_cache, visible, tile_size=64):
+    """tiled.py's online softmax for one query row: walk the cache in key tiles, each folded
+    into the running (m_i, l_i, acc) by tiled.online_softmax_update. S is static, so every tile
+    is visited, masked outside visible (tile 0 or a later one always holds the new key)."""
+    compute = torch.float64 if q.dtype == torch.float64 else torch.float32
+    q_row = (q.to(compute) / math.sqrt(q.shape[-1])).unflatten(1, (k_cache.shape[1], -1))  # (B, H_kv, G, 1, D)
+    m_i = torch.full(q_row.shape[:-1], float("-inf"), dtype=compute, device=q.device)
+    l_i = torch.zeros_like(m_i)
+    acc = torch.zeros_like(q_row)
+    for k_start in range(0, k_cache.shape[2], tile_size):
+        seen = visible[..., k_start:k_start + tile_size]  # (1, 1, 1, keys)
+        k_tile = k_cache[:, :, None, k_start:k_start + tile_size].to(compute)
+        v_tile = v_cache[:, :, None, k_start:k_start + tile_size].masked_fill(~seen.mT.unsqueeze(1), 0.0)
+        scores = (q_row @ k_tile.transpose(-2, -1)).masked_fill(~seen.unsqueeze(1), float("-inf"))
+        m_i, l_i, acc = online_softmax_update(m_i, l_i, acc, scores, v_tile)
+    return (acc / l_i[..., None]).flatten(1, 2).to(q.dtype)
+
+
+def sdpa_decode_attention(q, k_cache, v_cache, visible):
+    enable_gqa = q.shape[1] != k_cache.shape[1]
+    return F.scaled_dot_product_attention(q, k_cache, v_cache.masked_fill(~visible.mT, 0.0), attn_mask=visible,
+                                          enable_gqa=enable_gqa)
+
+
+def store_then_attend(q, k, v, k_cache, v_cache, pos, left, attend):
+    """eager, tiled and sdpa: store the new key and value with index_copy_, then attend."""
+    store_in_cache(k, v, k_cache, v_cache, pos)
+    return attend(q, k_cache, v_cache, cached_keys(pos, left, k_cache.shape[2]))
+
+
+def triton_kernel_decode_attention(q, k, v, k_cache, v_cache, pos, left):
+    check_triton_inputs(q, k_cache, v_cache, names=("q", "k_cache", "v_cache"))
+    if torch.is_grad_enabled() and any(t.requires_grad for t in (q, k, v, k_cache, v_cache)):
+        raise ValueError("decode_attention with the triton backends computes no gradient: call it under "
+                         "torch.no_grad() (generation), or use eager, tiled or sdpa for gradients")
+    return triton_decode_attention(q, k, v, k_cache, v_cache, pos, left)
 
 
 # triton and triton_fwd differ only in their backward; a decode step has none.
@@ -117,8 +136,9 @@ _DECODE_FUNCTIONS = {
 }
 
 
-def decode_attention(qkv, k_cache, v_cache, pos, backend="triton"):
+def decode_attention(q, k, v, k_cache, v_cache, pos, window_size=(-1, -1), backend="triton"):
     if backend not in _DECODE_FUNCTIONS:
         raise ValueError(f"backend={backend!r} is not one of {tuple(_DECODE_FUNCTIONS)}")
-    check_decode_inputs(qkv, k_cache, v_cache, pos)
-    return _DECODE_FUNCTIONS[backend](qkv, k_cache, v_cache, pos)
+    check_decode_inputs(q, k, v, k_cache, v_cache, pos, window_size)
+    left, _ = window_bounds(False, window_size)
+    return _DECODE_FUNCTIONS[backend](q, k, v, k_cache, v_cache, pos, left)

@@ -1,13 +1,20 @@
-"""Eager attention: the whole N_q x N_k score matrix in memory, softmax, then P @ V.
+"""Eager attention: the definition every other backend is checked against.
 
-This is the definition every other backend is checked against (the tests run it in
-float64), and the memory-hungry baseline FlashAttention is measured against: autograd
-keeps the N_q x N_k probabilities of every layer for the backward pass.
+    O = softmax(Q K^T / sqrt(D), over the keys each query sees) V
 
-Causal convention (all backends): query i sees key j when j <= i, counting both from the
-start of their sequences ("top-left", as torch's scaled_dot_product_attention does).
-With N_q != N_k this is not the decoding convention; a single new query against a KV
-cache sees every cached key up to its own, which decode.py's decode_attention handles.
+The whole N_q x N_k score matrix is in memory, and autograd keeps the probabilities of every
+layer for the backward pass: the memory FlashAttention saves. The tests run this in float64.
+
+Which keys a query sees, in every backend:
+- Causal, top-left (as torch's scaled_dot_product_attention): query i sees key j when j <= i,
+  both counted from the start of their sequences. With N_q != N_k this is not the decoding
+  convention; decode.py's decode_attention handles one new query against a KV cache.
+- A window (left, right), as FlashAttention-2: query i sees keys i - left <= j <= i + right; -1
+  leaves that side unbounded. Causal is right = 0.
+- Grouped-query attention: q has H heads, k and v have H_kv, a divisor of H. Query head h reads
+  kv head h // (H // H_kv), as sdpa's enable_gqa does; H_kv = 1 is multi-query attention.
+A query that sees no key (a window that ends before the keys do, or N_k = 0) gets O = 0 and
+lse = -inf.
 """
 import math
 
@@ -15,41 +22,68 @@ import torch
 
 from .inputs import check_inputs
 
+# What a window side of -1 becomes: farther than any sequence. The kernels take the same number
+# (a 32-bit int), so one rule covers causal, windowed and full attention.
+UNBOUNDED = 2 ** 30
 
-def causal_mask(n_q, n_k, device=None):
-    """(n_q, n_k) bool, True where query i may see key j: the causal convention above."""
-    return torch.ones(n_q, n_k, dtype=torch.bool, device=device).tril()
+
+def window_bounds(is_causal, window_size):
+    """(left, right), each an int >= 0: the keys a query sees before and after its own position."""
+    left, right = window_size
+    left = UNBOUNDED if left < 0 else left
+    right = 0 if is_causal else UNBOUNDED if right < 0 else right
+    return left, right
 
 
-def eager_attention_with_lse(q, k, v, is_causal=False):
-    """O = softmax(Q K^T / sqrt(D)) V and lse = logsumexp of the scaled scores (natural log),
-    q (..., N_q, D), k and v (..., N_k, D); see masked_attention_with_lse."""
-    visible = causal_mask(q.shape[-2], k.shape[-2], q.device) if is_causal else None
-    return masked_attention_with_lse(q, k, v, visible)
+def visible_keys(n_q, n_k, left, right, device=None):
+    """(n_q, n_k) bool: True where query i sees key j, i - left <= j <= i + right."""
+    i = torch.arange(n_q, device=device)[:, None]
+    j = torch.arange(n_k, device=device)[None, :]
+    return (j >= i - left) & (j <= i + right)
+
+
+def group_queries(q, k):
+    """GQA as an index map: q (..., H, N, D) as (..., H_kv, G, N, D) and k (..., H_kv, N, D) as
+    (..., H_kv, 1, N, D), views that broadcast query head h = kv * G + g against kv head kv."""
+    if q.dim() == 2:  # one head
+        return q[None, None], k[None, None]
+    return q.unflatten(-3, (k.shape[-3], -1)), k.unsqueeze(-3)
 
 
 def masked_attention_with_lse(q, k, v, visible=None):
-    """O and lse as eager_attention_with_lse, with the scores of keys where the bool mask
-    visible (broadcast to the (..., N_q, N_k) scores) is False set to -inf; None: every key.
-    The causal mask is one such mask; decode.py's count of cached keys is another.
+    """O and lse of q (..., H, N_q, D) against k, v (..., H_kv, N_k, D), where the bool mask
+    visible (broadcast to the (..., N_q, N_k) scores) says which keys each query sees; None: all.
 
-    The scores Q K^T and the softmax run in float32 (or float64 for float64 inputs): float16
-    scores overflow past 65504 and round near-ties apart long before that, which the kernels
-    avoid by keeping their score tiles in float32. Autocast is switched off for that product, or
-    it would cast it back to 16 bits. P is cast to V's dtype for the product with V, as the
-    kernels do. lse is float32 (float64 for float64 inputs), shape q.shape[:-1].
-    """
+    The scores and the softmax run in float32 (float64 for float64 inputs): float16 scores
+    overflow past 65504 and round near-ties apart long before that, which the kernels avoid by
+    keeping their score tiles in float32. Autocast is switched off for that product, or it would
+    cast it back to 16 bits. P is cast to V's dtype for the product with V, as the kernels do.
+    lse (q.shape[:-1]) is the natural-log logsumexp of each query's scaled scores."""
     scale = 1.0 / math.sqrt(q.shape[-1])
     softmax_dtype = torch.float64 if q.dtype == torch.float64 else torch.float32
+    q_groups, k_groups = group_queries(q, k)
+    _, v_groups = group_queries(q, v)
     with torch.autocast(q.device.type, enabled=False):
-        scores = (q.to(softmax_dtype) @ k.to(softmax_dtype).transpose(-2, -1)) * scale
+        scores = (q_groups.to(softmax_dtype) @ k_groups.to(softmax_dtype).transpose(-2, -1)) * scale
     if visible is not None:
+        visible = visible.unsqueeze(-3) if visible.dim() >= 3 else visible  # the group dim
         scores = scores.masked_fill(~visible, float("-inf"))
     lse = torch.logsumexp(scores, dim=-1)
     probs = torch.softmax(scores, dim=-1)
-    return probs.to(v.dtype) @ v, lse
+    if visible is not None:  # a query that sees no key: softmax gives NaN, the definition 0
+        probs = probs.masked_fill(~visible.any(-1, keepdim=True), 0.0)
+    o = probs.to(v.dtype) @ v_groups
+    return o.reshape(q.shape[:-1] + v.shape[-1:]), lse.reshape(q.shape[:-1])
 
 
-def eager_attention(q, k, v, is_causal=False):
-    check_inputs(q, k, v, is_causal)
-    return eager_attention_with_lse(q, k, v, is_causal)[0]
+def eager_attention_with_lse(q, k, v, is_causal=False, window_size=(-1, -1)):
+    left, right = window_bounds(is_causal, window_size)
+    visible = None
+    if (left, right) != (UNBOUNDED, UNBOUNDED):
+        visible = visible_keys(q.shape[-2], k.shape[-2], left, right, q.device)
+    return masked_attention_with_lse(q, k, v, visible)
+
+
+def eager_attention(q, k, v, is_causal=False, window_size=(-1, -1)):
+    check_inputs(q, k, v, is_causal, window_size)
+    return eager_attention_with_lse(q, k, v, is_causal, window_size)[0]

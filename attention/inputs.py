@@ -1,52 +1,49 @@
-"""What callers hand to attention() and packed_attention(): checks that give a clear ValueError
-instead of a kernel fault or silent garbage, and unpack_heads, which turns packed_attention's
-fused projection into every backend's q, k, v. Every backend runs check_inputs; the Triton
-kernels also run check_triton_inputs for the limits of the kernels themselves."""
+"""What callers hand to attention(): checks that give a clear ValueError naming the argument,
+instead of a kernel fault or silent garbage. Every backend runs check_inputs; the Triton kernels
+also run check_triton_inputs for the limits of the kernels themselves."""
 import torch
 
-TRITON_HEAD_DIMS = (16, 32, 64, 128)
 TRITON_DTYPES = (torch.float16, torch.bfloat16, torch.float32)
 # The float8 types are floating point too, but no backend computes in them.
 DTYPES = (torch.float16, torch.bfloat16, torch.float32, torch.float64)
+# The kernels pad the head dim to a power of two in registers: any multiple of 8 up to 256 (as
+# FlashAttention-2 takes), 8 being the 16 bytes a 16-bit row must be aligned to.
+TRITON_MAX_HEAD_DIM = 256
 
 
-def check_inputs(q, k, v, is_causal):
+def check_inputs(q, k, v, is_causal, window_size=(-1, -1)):
     for name, t in (("q", q), ("k", k), ("v", v)):
         check_tensor(name, t)
-        if t.dim() < 2:
-            raise ValueError(f"{name} must have shape (..., N, D) with at least 2 dims, got shape {tuple(t.shape)}")
+        if t.dim() != q.dim() or t.dim() < 2:
+            raise ValueError(f"{name} must have shape (..., N, D) with at least 2 dims and as many as q, got shape "
+                             f"{tuple(t.shape)} (q {tuple(q.shape)})")
     if q.shape[-1] == 0:
         raise ValueError(f"q has head dim D=0 (shape {tuple(q.shape)}); the head dim must be at least 1")
-    if not isinstance(is_causal, bool):
-        raise ValueError(f"is_causal must be a bool, got {is_causal!r}")
+    check_mask(is_causal, window_size)
     for name, t in (("k", k), ("v", v)):
-        if t.shape[:-2] != q.shape[:-2]:
-            raise ValueError(f"{name} leading dims {tuple(t.shape[:-2])} must equal q's {tuple(q.shape[:-2])} "
-                             f"(q {tuple(q.shape)}, {name} {tuple(t.shape)}); broadcasting is not supported")
-        if t.shape[-1] != q.shape[-1]:
-            raise ValueError(f"{name} head dim {t.shape[-1]} must equal q's head dim {q.shape[-1]}")
+        if t.shape[:-3] != q.shape[:-3] or t.shape[-1] != q.shape[-1]:
+            raise ValueError(f"{name} {tuple(t.shape)} must match q {tuple(q.shape)} in its leading dims and head "
+                             "dim (..., H, N, D); broadcasting is not supported")
         if t.dtype != q.dtype:
             raise ValueError(f"{name} has dtype {t.dtype} but q has {q.dtype}; q, k and v must share one dtype")
         if t.device != q.device:
             raise ValueError(f"{name} is on {t.device} but q is on {q.device}; q, k and v must share one device")
-    if v.shape[-2] != k.shape[-2]:
-        raise ValueError(f"v has N_k={v.shape[-2]} keys but k has N_k={k.shape[-2]}; they must match")
+    if v.shape != k.shape:
+        raise ValueError(f"v has shape {tuple(v.shape)} but k has {tuple(k.shape)}; they must match")
+    if q.dim() > 2 and (k.shape[-3] == 0 or q.shape[-3] % k.shape[-3]):
+        raise ValueError(f"k and v have {k.shape[-3]} heads (dim -3), which must divide q's {q.shape[-3]}: query "
+                         f"head h reads kv head h // (H / H_kv) (grouped-query attention)")
 
 
-def check_packed_inputs(qkv, is_causal):
-    """packed_attention's qkv: (B, N, 3, H, D), floating point."""
-    check_tensor("qkv", qkv)
-    if qkv.dim() != 5 or qkv.shape[2] != 3:
-        raise ValueError(f"qkv must have shape (B, N, 3, H, D) (q, k, v = qkv.unbind(2)), got shape {tuple(qkv.shape)}")
-    if qkv.shape[-1] == 0:
-        raise ValueError(f"qkv has head dim D=0 (shape {tuple(qkv.shape)}); the head dim must be at least 1")
+def check_mask(is_causal, window_size):
     if not isinstance(is_causal, bool):
         raise ValueError(f"is_causal must be a bool, got {is_causal!r}")
-
-
-def unpack_heads(qkv):
-    """(B, N, 3, H, D) -> q, k, v as (B, H, N, D) views."""
-    return qkv.permute(2, 0, 3, 1, 4).unbind(0)
+    if (not isinstance(window_size, (tuple, list)) or len(window_size) != 2
+            or not all(type(side) is int and side >= -1 for side in window_size)):
+        raise ValueError(f"window_size must be (left, right), two ints >= -1 (-1: unbounded), got {window_size!r}")
+    if is_causal and window_size[1] > 0:
+        raise ValueError(f"window_size={tuple(window_size)} with is_causal=True: causal means right = 0; pass "
+                         "is_causal=False to see keys after the query")
 
 
 def check_tensor(name, t):
@@ -64,14 +61,26 @@ def check_tensor(name, t):
 
 def check_triton_inputs(q, k, v, names=("q", "k", "v")):
     """The Triton kernels' own limits, beyond check_inputs. names: what the caller calls q, k
-    and v (decode.py: the fused projection and the two caches)."""
+    and v (decode.py: the new token's and the two caches)."""
     if q.dtype not in TRITON_DTYPES:
         raise ValueError(f"{names[0]} has dtype {q.dtype}; the Triton kernels take "
                          f"{', '.join(map(str, TRITON_DTYPES))}")
-    if q.shape[-1] not in TRITON_HEAD_DIMS:
-        raise ValueError(f"{names[0]} has head dim D={q.shape[-1]}; the Triton kernels support D in {TRITON_HEAD_DIMS} "
-                         "(the eager, tiled and sdpa backends take any D)")
+    head_dim = q.shape[-1]
+    if head_dim % 8 or head_dim > TRITON_MAX_HEAD_DIM:
+        raise ValueError(f"{names[0]} has head dim D={head_dim}; the Triton kernels take a multiple of 8 up to "
+                         f"{TRITON_MAX_HEAD_DIM} (the eager, tiled and sdpa backends take any D)")
     for name, t in zip(names, (q, k, v)):
-        if t.stride(-1) != 1 and t.shape[-1] > 1:
+        if t.stride(-1) != 1:
             raise ValueError(f"{name} has last-dim stride {t.stride(-1)}; the Triton kernels need stride 1 "
                              f"along D (pass {name}.contiguous())")
+
+
+def refuse_double_backward(backend):
+    """Raise inside a backward asked to build a graph of itself (create_graph=True, the only time
+    grad mode is on there). These backwards are first order only: a graph through them would miss
+    how O and lse depend on Q, K, V, and a second-order gradient would be silently wrong. (torch's
+    once_differentiable is not enough: torch.autograd.grad(..., inputs) prunes its error node and
+    reports an input "not used in the graph" instead.)"""
+    if torch.is_grad_enabled():
+        raise RuntimeError(f"double backward is not supported by the {backend} backend (its backward is first "
+                           "order only): for gradients with create_graph=True use the eager backend")

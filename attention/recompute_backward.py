@@ -1,9 +1,8 @@
-"""The backward of `triton_fwd`: the step of the story before the FlashAttention-2 backward
-landed. It keeps the forward's promise (no N_q x N_k matrix for all rows at once) but not its
-schedule: where tiled_backward.py and the Triton kernels run a dK/dV pass and a dQ pass over
-tiles, this walks chunks of query rows against all the keys they see, so its extra memory is
-O(chunk_size x N_k) rather than O(N_q x N_k). `triton_fwd` keeps it so the two backwards can
-be compared.
+"""The backward of `triton_fwd`: the step of the story before the FlashAttention-2 backward. It
+keeps the forward's promise (no N_q x N_k matrix for all rows at once) but not its schedule:
+where tiled_backward.py and the Triton kernels run a dK/dV pass and a dQ pass over tiles, this
+walks chunks of query rows against all the keys, so its extra memory is O(chunk_size x N_k)
+rather than O(N_q x N_k). `triton_fwd` keeps it so the two backwards can be compared.
 
     delta = rowsum(dO * O)        (= rowsum(dP * P), the softmax's Jacobian term)
     P  = exp(S - lse)             with S = Q K^T * scale, masked as in the forward
@@ -15,33 +14,32 @@ import math
 
 import torch
 
-from .tile_bounds import visible_in_tile
+from .eager import group_queries, window_bounds
+from .tile_bounds import tile_mask
 
 
-def recompute_backward(Q, K, V, O, lse, dO, is_causal, chunk_size=128):
+def recompute_backward(Q, K, V, O, lse, dO, is_causal=False, window_size=(-1, -1), chunk_size=128):
     """Gradients (dQ, dK, dV) of O = attention(Q, K, V) given dO. Math in float32 (float64
     for float64 inputs); results in the inputs' dtype."""
     scale = 1.0 / math.sqrt(Q.shape[-1])
-    dtype = Q.dtype
+    shapes, dtype = (Q.shape, K.shape, V.shape), Q.dtype
     compute = torch.float64 if dtype == torch.float64 else torch.float32
+    left, right = window_bounds(is_causal, window_size)
     Q, K, V, O, lse, dO = (t.to(compute) for t in (Q, K, V, O, lse, dO))
-    n_q, n_k = Q.shape[-2], K.shape[-2]
     delta = (dO * O).sum(-1)
-    dQ = torch.empty_like(Q)
-    dK = torch.zeros_like(K)
-    dV = torch.zeros_like(V)
+    (Q, K), (_, V) = group_queries(Q, K), group_queries(Q, V)  # grouped-query heads broadcast
+    dO, lse, delta = dO.reshape(Q.shape), lse.reshape(Q.shape[:-1]), delta.reshape(Q.shape[:-1])
+    n_q, n_k = Q.shape[-2], K.shape[-2]
+    dQ, dK, dV = torch.empty_like(Q), torch.zeros_like(K), torch.zeros_like(V)
     for start in range(0, n_q, chunk_size):
         end = min(start + chunk_size, n_q)
-        # Causal: rows [start, end) see no key at or past `end`, so those keys are skipped.
-        n_visible = min(end, n_k) if is_causal else n_k
         q, do = Q[..., start:end, :], dO[..., start:end, :]
-        k, v = K[..., :n_visible, :], V[..., :n_visible, :]
-        S = (q @ k.transpose(-2, -1)) * scale
-        if is_causal:
-            S = S.masked_fill(~visible_in_tile(start, end, 0, n_visible, Q.device), float("-inf"))
-        P = torch.exp(S - lse[..., start:end, None])
-        dV[..., :n_visible, :] += P.transpose(-2, -1) @ do
-        dS = P * (do @ v.transpose(-2, -1) - delta[..., start:end, None])
-        dQ[..., start:end, :] = (dS @ k) * scale
-        dK[..., :n_visible, :] += (dS.transpose(-2, -1) @ q) * scale
-    return dQ.to(dtype), dK.to(dtype), dV.to(dtype)
+        S = (q @ K.transpose(-2, -1)) * scale
+        # Masked after the exp, not with -inf before: a row that sees no key has lse = -inf.
+        P = torch.exp(S - lse[..., start:end, None]).masked_fill(~tile_mask(start, end, 0, n_k, n_k, left, right,
+                                                                             Q.device), 0.0)
+        dS = P * (do @ V.transpose(-2, -1) - delta[..., start:end, None])
+        dQ[..., start:end, :] = (dS @ K) * scale
+        dV += (P.transpose(-2, -1) @ do).sum(-3, keepdim=True)  # a kv head sums its G query heads
+        dK += (dS.transpose(-2, -1) @ q).sum(-3, keepdim=True) * scale
+    return tuple(g.reshape(shape).to(dtype) for g, shape in zip((dQ, dK, dV), shapes))

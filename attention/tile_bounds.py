@@ -1,12 +1,22 @@
-"""Which tiles a FlashAttention program visits, and the causal mask inside a tile.
+"""Which tiles a FlashAttention program visits, and the mask inside a tile: a mask is a tile bound.
 
-The tiled PyTorch code (tiled.py, tiled_backward.py; recompute_backward.py for the mask) and
-docs/causal_tiles.py use these; the Triton kernels state the same rules as @triton.jit helpers
-of the same names (triton_tiles.py), and the tests check both against eager.py's causal mask.
+A program holds one tile of rows (queries in the forward and the dQ pass, keys in the dK/dV
+pass) and walks the tiles of the other side that its rows can see. With a window (left, right)
+(eager.py; causal is right = 0, full attention has both sides UNBOUNDED) each tile of the other
+side is one of three kinds:
+- skipped: no row of the program's tile sees any of it; never loaded;
+- full: every row sees every one of its keys; no mask needed;
+- masked: some rows see some of its keys (it crosses the diagonal or a window's edge, or runs
+  past the last key); the scores get visible_in_tile.
+The tiles a program visits are one run: masked, then full, then masked, given by four numbers,
+(start, full_start, full_end, end): tiles starting in [start, full_start) and [full_end, end)
+need the mask, those in [full_start, full_end) do not. Causal attention has no masked tiles at
+the start; full attention has masked tiles only past the last key.
 
-Causal tiles fall in three kinds: skipped (every key is above the diagonal for every query
-of the tile: never loaded), unmasked (every key visible to every query: no mask needed) and
-masked (the tile crosses the diagonal, or, in the kernels, the end of the keys).
+tiled.py and tiled_backward.py use these; the Triton kernels state the same rules as
+@triton.jit helpers of the same names (triton_tiles.py), and the tests check both against
+eager.visible_keys. A tile is taken at its nominal size: rows past the end of a sequence are
+computed and never stored.
 """
 import torch
 
@@ -17,35 +27,48 @@ def check_tile_sizes(tile_m, tile_n):
             raise ValueError(f"{name} must be a positive int, got {size!r}")
 
 
-def key_tile_bounds(q_start, n_k, is_causal, tile_m, tile_n):
-    """The key tiles the query tile starting at row q_start visits (the forward and the dQ
-    pass): those starting in [0, unmasked_end) are visible to every row of the query tile and
-    lie inside n_k; those starting in [unmasked_end, end) need the mask. Causal: keys past the
-    query tile's last row are never visited."""
-    unmasked_end = n_k // tile_n * tile_n
-    end = n_k
-    if is_causal:
-        unmasked_end = min(unmasked_end, (q_start + 1) // tile_n * tile_n)
-        end = min(q_start + tile_m, n_k)
-    return unmasked_end, end
+def ceil_to(n, tile):
+    return -(-n // tile) * tile
 
 
-def query_tile_bounds(k_start, n_q, is_causal, tile_m, tile_n):
-    """The query tiles the key tile starting at row k_start visits (the dK/dV pass): those
-    starting in [start, unmasked_start) cross the diagonal and need the mask; those from
-    unmasked_start to n_q see every key of the tile. Causal: query tiles that end before
-    k_start see none of its keys and are skipped."""
-    start = unmasked_start = 0
-    if is_causal:
-        start = k_start // tile_m * tile_m
-        n_q_tiled = -(-n_q // tile_m) * tile_m  # n_q rounded up to whole tiles
-        unmasked_start = min(-(-(k_start + tile_n - 1) // tile_m) * tile_m, n_q_tiled)
-    return start, unmasked_start
+def tile_run(seen_from, all_see_from, all_see_to, seen_to, tile):
+    """(start, full_start, full_end, end) of the tiles over positions [seen_from, seen_to), which
+    some row sees; tiles inside [all_see_from, all_see_to), which every row sees, are full. When
+    no tile is full, full_start = full_end splits the run anywhere in it."""
+    start = seen_from // tile * tile
+    end_tile = ceil_to(seen_to, tile)
+    full_start = min(max(ceil_to(max(all_see_from, 0), tile), start), end_tile)
+    full_end = max(min(all_see_to // tile * tile, end_tile), full_start)
+    return start, full_start, full_end, seen_to
 
 
-def visible_in_tile(q_start, q_end, k_start, k_end, device=None):
-    """(q_end - q_start, k_end - k_start) bool: True where eager.py's causal rule lets query
-    i in [q_start, q_end) see key j in [k_start, k_end)."""
+def key_tile_bounds(q_start, n_k, left, right, tile_m, tile_n):
+    """The key tiles the query tile of rows [q_start, q_start + tile_m) visits (the forward and
+    the dQ pass). Any of its rows sees keys [q_start - left, q_last + right]; all of them see
+    [q_last - left, q_start + right]; keys past n_k exist for no row."""
+    q_last = q_start + tile_m - 1
+    return tile_run(max(q_start - left, 0), q_last - left, min(q_start + right + 1, n_k),
+                    min(q_last + right + 1, n_k), tile_n)
+
+
+def query_tile_bounds(k_start, n_q, left, right, tile_m, tile_n):
+    """The query tiles that see the key tile of keys [k_start, k_start + tile_n) (the dK/dV
+    pass). Some query sees one of its keys from row k_start - right to k_last + left; every query
+    sees all of them from k_last - right to k_start + left. Rows past n_q need no mask (the
+    backward gives them lse = +inf, so P = 0 there), so the last query tile can be full."""
+    k_last = k_start + tile_n - 1
+    return tile_run(max(k_start - right, 0), k_last - right, min(k_start + left + 1, ceil_to(n_q, tile_m)),
+                    min(k_last + left + 1, n_q), tile_m)
+
+
+def visible_in_tile(rows, cols, n_k, left, right):
+    """True where query `rows` may see key `cols` (broadcast against each other): the key lies
+    before n_k and inside the query's window."""
+    return (cols < n_k) & (cols >= rows - left) & (cols <= rows + right)
+
+
+def tile_mask(q_start, q_end, k_start, k_end, n_k, left, right, device=None):
+    """visible_in_tile for the (q_end - q_start, k_end - k_start) tile of scores."""
     rows = torch.arange(q_start, q_end, device=device)[:, None]
     cols = torch.arange(k_start, k_end, device=device)[None, :]
-    return cols <= rows
+    return visible_in_tile(rows, cols, n_k, left, right)

@@ -3,8 +3,9 @@ dK, dV together, with no atomics.
 
 1. _attn_bwd_delta: delta = rowsum(dO * O) for every query row, which both jobs below need.
 2. _attn_bwd: each program does one of two jobs, chosen by its index.
-   - dK, dV: the first programs each hold one K/V tile of one (batch, head) and stream the
-     query tiles that see it past it, accumulating dK and dV in float32 registers.
+   - dK, dV: the first programs each hold one K/V tile of one (batch, kv head) and stream past
+     it the query tiles that see it, of every query head that reads this kv head (GROUP of
+     them: grouped-query attention), accumulating dK and dV in float32 registers.
    - dQ: the others each hold one query tile and stream the K/V tiles it sees (the forward's
      schedule), accumulating dQ.
    Why one launch for both: given delta the two jobs are independent, and at the model's
@@ -14,63 +15,59 @@ dK, dV together, with no atomics.
 
 Neither job stores P: both recompute it from the saved logsumexp, P = exp2(S*log2e - lse*log2e).
 Splitting dQ from dK/dV costs two more matrix multiplies per tile pair (S = Q K^T and dP again:
-seven, not five) but lets every program own its output tile, so there are no atomic adds, and
-running the launch twice gives the same result (which is what lets TunedKernel time configs on
-the real arguments). FlashAttention-2 and -3 add dQ up with atomics instead, from the dK/dV
-programs; on the H200 that was slower at head dim 128 and within a few percent of this kernel
-at 64 (docs/optimisation.md, "dQ by atomic adds"), so the split stays: deterministic, and one
-code path. The exception is Hopper at long sequences: there gluon_backward.py's warp-specialised
-kernel, five multiplies and dQ summed by TMA's reduce, measured faster, and flash_backward sends
-it the calls its serves() names.
+seven, not five) but lets every program own its output tile: no atomic adds, the same result on
+every run, and a kernel the tuner may run several times. FlashAttention-2 and -3 add dQ up
+with atomics from the dK/dV programs instead; on the H200 that was slower at head dim 128 and
+within a few percent at 64, so the split stays (docs/optimisation.md). The exception is Hopper
+at long sequences, where hopper/backward.py's warp-specialised kernel measured faster.
 
 tiled_backward.py is this file's twin in PyTorch: delta, then the same two jobs, with the same
-names and tile bounds. The tile helpers both kernels share are in triton_tiles.py.
+names and tile bounds.
 """
 import torch
 import triton
 import triton.language as tl
 
-from . import gluon_backward
-from .triton_launch import (INTERPRETING, TunedKernel, dense_strides, descriptor_ready, heads_first, program_grid,
-                            set_tma_scratch_allocator, traced, tuning_key)
+from .hopper import backward as hopper_backward
+from .eager import window_bounds
+from .launch import (INTERPRETING, as_4d, autotuned, descriptor_ready, head_dim_block, heads_first, new_like, program_grid,
+                     set_tma_scratch_allocator)
 from .triton_tiles import (LOG2_E, head_matrix, key_tile_bounds, load_tile, program_tile_and_head, query_tile_bounds,
                            query_tile_start, store_tile, visible_in_tile)
-
-KERNEL_LOG2_E = tl.constexpr(LOG2_E)  # the same number, usable inside kernels
 
 
 @triton.jit(do_not_specialize=["N_Q"])
 def _attn_bwd_delta(O, dO, DELTA, stride_ob, stride_oh, stride_on, stride_dob, stride_doh, stride_don, H, N_Q,
-                    HEAD_DIM: tl.constexpr, HEADS_FIRST: tl.constexpr, BLOCK_M: tl.constexpr):
+                    HEAD_DIM: tl.constexpr, BLOCK_D: tl.constexpr, HEADS_FIRST: tl.constexpr, BLOCK_M: tl.constexpr):
     """delta_i = dO_i . O_i for the BLOCK_M query rows of one program, stored to DELTA (B, H, N_Q)."""
     tile, bh, _ = program_tile_and_head(HEADS_FIRST)
     start_m = tile * BLOCK_M
-    O = head_matrix(O, bh, H, stride_ob, stride_oh, stride_on, N_Q, HEAD_DIM, BLOCK_M, False)
-    dO = head_matrix(dO, bh, H, stride_dob, stride_doh, stride_don, N_Q, HEAD_DIM, BLOCK_M, False)
+    O = head_matrix(O, bh // H, bh % H, stride_ob, stride_oh, stride_on, N_Q, HEAD_DIM, BLOCK_M, BLOCK_D, False)
+    dO = head_matrix(dO, bh // H, bh % H, stride_dob, stride_doh, stride_don, N_Q, HEAD_DIM, BLOCK_M, BLOCK_D, False)
     rows = start_m + tl.arange(0, BLOCK_M)
-    o_tile = load_tile(O, start_m, N_Q, stride_on, BLOCK_M, HEAD_DIM, False)
-    do_tile = load_tile(dO, start_m, N_Q, stride_don, BLOCK_M, HEAD_DIM, False)
+    o_tile = load_tile(O, start_m, N_Q, stride_on, BLOCK_M, HEAD_DIM, BLOCK_D, False)
+    do_tile = load_tile(dO, start_m, N_Q, stride_don, BLOCK_M, HEAD_DIM, BLOCK_D, False)
     delta = tl.sum(o_tile.to(tl.float32) * do_tile.to(tl.float32), 1)
     tl.store(DELTA + bh * N_Q + rows, delta, mask=rows < N_Q)
 
 
 @triton.jit
-def _dkdv_query_tiles(dk, dv, k_tile, v_tile, Q, dO, stride_qn, stride_don, LSE, DELTA, start_m, end_m, cols, N_Q,
-                      N_K, qk_scale, MASKED: tl.constexpr, IS_CAUSAL: tl.constexpr, HEAD_DIM: tl.constexpr,
+def _dkdv_query_tiles(dk, dv, k_tile, v_tile, Q, dO, stride_qn, stride_don, LSE, DELTA, start, end, cols, N_Q, N_K,
+                      LEFT, RIGHT, qk_scale, MASKED: tl.constexpr, HEAD_DIM: tl.constexpr, BLOCK_D: tl.constexpr,
                       BLOCK_M: tl.constexpr, USE_TMA: tl.constexpr):
-    """Add the contributions of query tiles [start_m, end_m) to this K/V tile's dK, dV.
+    """Add the contributions of the query tiles from start to end to this K/V tile's dK, dV.
     Everything is transposed (keys along rows) so the accumulators keep the K/V tile's shape."""
-    for tile_start in range(start_m, end_m, BLOCK_M):
+    for tile_start in range(start, end, BLOCK_M):
         rows = tile_start + tl.arange(0, BLOCK_M)
-        q_tile = load_tile(Q, tile_start, N_Q, stride_qn, BLOCK_M, HEAD_DIM, USE_TMA)
-        do_tile = load_tile(dO, tile_start, N_Q, stride_don, BLOCK_M, HEAD_DIM, USE_TMA)
+        q_tile = load_tile(Q, tile_start, N_Q, stride_qn, BLOCK_M, HEAD_DIM, BLOCK_D, USE_TMA)
+        do_tile = load_tile(dO, tile_start, N_Q, stride_don, BLOCK_M, HEAD_DIM, BLOCK_D, USE_TMA)
         # Rows past N_Q read lse = +inf, so their probabilities are exactly 0 and need no mask.
         # lse in base 2, like the scores (as m_i is in the forward).
-        lse = tl.load(LSE + rows, mask=rows < N_Q, other=float("inf")) * KERNEL_LOG2_E
+        lse = tl.load(LSE + rows, mask=rows < N_Q, other=float("inf")) * LOG2_E
         delta = tl.load(DELTA + rows, mask=rows < N_Q, other=0.0)
         p_t = tl.exp2(tl.dot(k_tile, tl.trans(q_tile)) * qk_scale - lse[None, :])  # P^T, (BLOCK_N, BLOCK_M)
-        if MASKED:  # this query tile crosses the diagonal
-            p_t = tl.where(visible_in_tile(rows[None, :], cols[:, None], N_K, IS_CAUSAL), p_t, 0.0)
+        if MASKED:
+            p_t = tl.where(visible_in_tile(rows[None, :], cols[:, None], N_K, LEFT, RIGHT), p_t, 0.0)
         dv += tl.dot(p_t.to(do_tile.dtype), do_tile)
         dp_t = tl.dot(v_tile, tl.trans(do_tile))
         ds_t = p_t * (dp_t - delta[None, :])
@@ -79,89 +76,82 @@ def _dkdv_query_tiles(dk, dv, k_tile, v_tile, Q, dO, stride_qn, stride_don, LSE,
 
 
 @triton.jit
-def _dq_key_tiles(dq, q_tile, do_tile, lse, delta, K, V, stride_kn, stride_vn, start_n, end_n, rows, N_K, qk_scale,
-                  MASKED: tl.constexpr, IS_CAUSAL: tl.constexpr, HEAD_DIM: tl.constexpr, BLOCK_N: tl.constexpr,
+def _dq_key_tiles(dq, q_tile, do_tile, lse, delta, K, V, stride_kn, stride_vn, start, end, rows, N_K, LEFT, RIGHT,
+                  qk_scale, MASKED: tl.constexpr, HEAD_DIM: tl.constexpr, BLOCK_D: tl.constexpr, BLOCK_N: tl.constexpr,
                   USE_TMA: tl.constexpr):
-    """Add the contributions of key tiles [start_n, end_n) to this query tile's dQ."""
-    for tile_start in range(start_n, end_n, BLOCK_N):
-        k_tile = load_tile(K, tile_start, N_K, stride_kn, BLOCK_N, HEAD_DIM, USE_TMA)
-        v_tile = load_tile(V, tile_start, N_K, stride_vn, BLOCK_N, HEAD_DIM, USE_TMA)
+    """Add the contributions of the key tiles from start to end to this query tile's dQ."""
+    for tile_start in range(start, end, BLOCK_N):
+        k_tile = load_tile(K, tile_start, N_K, stride_kn, BLOCK_N, HEAD_DIM, BLOCK_D, USE_TMA)
+        v_tile = load_tile(V, tile_start, N_K, stride_vn, BLOCK_N, HEAD_DIM, BLOCK_D, USE_TMA)
         p = tl.exp2(tl.dot(q_tile, tl.trans(k_tile)) * qk_scale - lse[:, None])
-        if MASKED:  # the tile crosses the diagonal or the end of the keys
+        if MASKED:
             cols = tile_start + tl.arange(0, BLOCK_N)
-            p = tl.where(visible_in_tile(rows[:, None], cols[None, :], N_K, IS_CAUSAL), p, 0.0)
+            p = tl.where(visible_in_tile(rows[:, None], cols[None, :], N_K, LEFT, RIGHT), p, 0.0)
         dp = tl.dot(do_tile, tl.trans(v_tile))
         ds = p * (dp - delta[:, None])
         dq += tl.dot(ds.to(k_tile.dtype), k_tile)
     return dq
 
 
-# Compiled for the lengths (Triton specialises an integer on being 1 or divisible by 16, so a
-# few binaries at most): faster at every paper shape than with N_Q and N_K unspecialised, as the
-# forward keeps them, which specialising did not speed up (docs/optimisation.md, "Session 19: the
-# split compiled for the lengths").
 @triton.jit
-def _attn_bwd(Q, K, V, dO, GRADS, LSE, DELTA, dq_offset, dk_offset, dv_offset,
-              stride_qb, stride_qh, stride_qn, stride_kb, stride_kh, stride_kn,
-              stride_vb, stride_vh, stride_vn, stride_dob, stride_doh, stride_don,
-              stride_dqb, stride_dqh, stride_dqn, stride_dkb, stride_dkh, stride_dkn, stride_dvb, stride_dvh, stride_dvn,
-              H, N_Q, N_K, qk_scale, sm_scale,
-              IS_CAUSAL: tl.constexpr, HEAD_DIM: tl.constexpr, HEADS_FIRST: tl.constexpr,
-              BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr, DKDV_BLOCK_M: tl.constexpr, USE_TMA: tl.constexpr):
-    """dQ, dK and dV are written into one tensor, GRADS, from element offsets dq_offset,
-    dk_offset and dv_offset (flash_backward says why). Key tiles have BLOCK_N rows in both jobs.
-    Query tiles: BLOCK_M rows where a dQ program holds one, DKDV_BLOCK_M rows where a dK/dV
-    program streams them (each job has its best)."""
-    tile, bh, tiles = program_tile_and_head(HEADS_FIRST)
-    qk_scale, sm_scale = tl.cast(qk_scale, tl.float32), tl.cast(sm_scale, tl.float32)  # Inductor: float64
-    dQ, dK, dV = GRADS + dq_offset, GRADS + dk_offset, GRADS + dv_offset
-    K = head_matrix(K, bh, H, stride_kb, stride_kh, stride_kn, N_K, HEAD_DIM, BLOCK_N, USE_TMA)
-    V = head_matrix(V, bh, H, stride_vb, stride_vh, stride_vn, N_K, HEAD_DIM, BLOCK_N, USE_TMA)
-    LSE += bh * N_Q
-    DELTA += bh * N_Q
-    key_tiles = tl.cdiv(N_K, BLOCK_N)
+def _dkdv(Q, K, V, dO, dK, dV, LSE, DELTA, stride_qb, stride_qh, stride_qn, stride_kb, stride_kh, stride_kn,
+          stride_vb, stride_vh, stride_vn, stride_dob, stride_doh, stride_don, stride_dkb, stride_dkh, stride_dkn,
+          stride_dvb, stride_dvh, stride_dvn, b, kv_head, start_n, H, GROUP, N_Q, N_K, LEFT, RIGHT, qk_scale, sm_scale,
+          HEAD_DIM: tl.constexpr, BLOCK_D: tl.constexpr, BLOCK_N: tl.constexpr, DKDV_BLOCK_M: tl.constexpr,
+          USE_TMA: tl.constexpr):
+    """The dK/dV job: the key tile from start_n of (b, kv_head)."""
+    K = head_matrix(K, b, kv_head, stride_kb, stride_kh, stride_kn, N_K, HEAD_DIM, BLOCK_N, BLOCK_D, USE_TMA)
+    V = head_matrix(V, b, kv_head, stride_vb, stride_vh, stride_vn, N_K, HEAD_DIM, BLOCK_N, BLOCK_D, USE_TMA)
+    cols = start_n + tl.arange(0, BLOCK_N)
+    k_tile = load_tile(K, start_n, N_K, stride_kn, BLOCK_N, HEAD_DIM, BLOCK_D, USE_TMA)  # keys past N_K: zeros, never stored
+    v_tile = load_tile(V, start_n, N_K, stride_vn, BLOCK_N, HEAD_DIM, BLOCK_D, USE_TMA)
+    dk = tl.zeros([BLOCK_N, BLOCK_D], dtype=tl.float32)
+    dv = tl.zeros([BLOCK_N, BLOCK_D], dtype=tl.float32)
+    start, full_start, full_end, end = query_tile_bounds(start_n, N_Q, LEFT, RIGHT, DKDV_BLOCK_M, BLOCK_N)
+    for g in range(GROUP):  # a kv head's dK and dV add up the parts of every query head that reads it
+        h = kv_head * GROUP + g
+        q = head_matrix(Q, b, h, stride_qb, stride_qh, stride_qn, N_Q, HEAD_DIM, DKDV_BLOCK_M, BLOCK_D, USE_TMA)
+        do = head_matrix(dO, b, h, stride_dob, stride_doh, stride_don, N_Q, HEAD_DIM, DKDV_BLOCK_M, BLOCK_D, USE_TMA)
+        lse, delta = LSE + (b * H + h) * N_Q, DELTA + (b * H + h) * N_Q
+        dk, dv = _dkdv_query_tiles(dk, dv, k_tile, v_tile, q, do, stride_qn, stride_don, lse, delta, start, full_start,
+                                   cols, N_Q, N_K, LEFT, RIGHT, qk_scale, True, HEAD_DIM, BLOCK_D, DKDV_BLOCK_M, USE_TMA)
+        dk, dv = _dkdv_query_tiles(dk, dv, k_tile, v_tile, q, do, stride_qn, stride_don, lse, delta, full_start,
+                                   full_end, cols, N_Q, N_K, LEFT, RIGHT, qk_scale, False, HEAD_DIM, BLOCK_D,
+                                   DKDV_BLOCK_M, USE_TMA)
+        dk, dv = _dkdv_query_tiles(dk, dv, k_tile, v_tile, q, do, stride_qn, stride_don, lse, delta, full_end, end,
+                                   cols, N_Q, N_K, LEFT, RIGHT, qk_scale, True, HEAD_DIM, BLOCK_D, DKDV_BLOCK_M, USE_TMA)
+    dK = head_matrix(dK, b, kv_head, stride_dkb, stride_dkh, stride_dkn, N_K, HEAD_DIM, BLOCK_N, BLOCK_D, USE_TMA)
+    dV = head_matrix(dV, b, kv_head, stride_dvb, stride_dvh, stride_dvn, N_K, HEAD_DIM, BLOCK_N, BLOCK_D, USE_TMA)
+    store_tile(dK, start_n, N_K, stride_dkn, dk * sm_scale, BLOCK_N, HEAD_DIM, BLOCK_D, USE_TMA)
+    store_tile(dV, start_n, N_K, stride_dvn, dv, BLOCK_N, HEAD_DIM, BLOCK_D, USE_TMA)
 
-    if tile < key_tiles:
-        # dK, dV of key tile `tile`. Causal: tile 0 is seen by every query tile, so the
-        # programs with the most work start first.
-        # (Triton needs a name to keep one type in both branches: hence streamed_q, not q_matrix.)
-        start_n = tile * BLOCK_N
-        streamed_q = head_matrix(Q, bh, H, stride_qb, stride_qh, stride_qn, N_Q, HEAD_DIM, DKDV_BLOCK_M, USE_TMA)
-        streamed_do = head_matrix(dO, bh, H, stride_dob, stride_doh, stride_don, N_Q, HEAD_DIM, DKDV_BLOCK_M, USE_TMA)
-        dk_matrix = head_matrix(dK, bh, H, stride_dkb, stride_dkh, stride_dkn, N_K, HEAD_DIM, BLOCK_N, USE_TMA)
-        dv_matrix = head_matrix(dV, bh, H, stride_dvb, stride_dvh, stride_dvn, N_K, HEAD_DIM, BLOCK_N, USE_TMA)
-        cols = start_n + tl.arange(0, BLOCK_N)
-        k_tile = load_tile(K, start_n, N_K, stride_kn, BLOCK_N, HEAD_DIM, USE_TMA)  # keys past N_K: zeros, never stored
-        v_tile = load_tile(V, start_n, N_K, stride_vn, BLOCK_N, HEAD_DIM, USE_TMA)
-        dk = tl.zeros([BLOCK_N, HEAD_DIM], dtype=tl.float32)
-        dv = tl.zeros([BLOCK_N, HEAD_DIM], dtype=tl.float32)
-        start_m, unmasked_start = query_tile_bounds(start_n, N_Q, IS_CAUSAL, DKDV_BLOCK_M, BLOCK_N)
-        dk, dv = _dkdv_query_tiles(dk, dv, k_tile, v_tile, streamed_q, streamed_do, stride_qn, stride_don, LSE, DELTA,
-                                   start_m, unmasked_start, cols, N_Q, N_K, qk_scale, True, IS_CAUSAL, HEAD_DIM,
-                                   DKDV_BLOCK_M, USE_TMA)
-        dk, dv = _dkdv_query_tiles(dk, dv, k_tile, v_tile, streamed_q, streamed_do, stride_qn, stride_don, LSE, DELTA,
-                                   unmasked_start, N_Q, cols, N_Q, N_K, qk_scale, False, IS_CAUSAL, HEAD_DIM,
-                                   DKDV_BLOCK_M, USE_TMA)
-        store_tile(dk_matrix, start_n, N_K, stride_dkn, dk * sm_scale, BLOCK_N, HEAD_DIM, USE_TMA)
-        store_tile(dv_matrix, start_n, N_K, stride_dvn, dv, BLOCK_N, HEAD_DIM, USE_TMA)
-    else:
-        # dQ of a query tile, in the forward's order among the query-tile programs.
-        start_m = query_tile_start(tile - key_tiles, tiles - key_tiles, IS_CAUSAL, BLOCK_M)
-        q_matrix = head_matrix(Q, bh, H, stride_qb, stride_qh, stride_qn, N_Q, HEAD_DIM, BLOCK_M, USE_TMA)
-        do_matrix = head_matrix(dO, bh, H, stride_dob, stride_doh, stride_don, N_Q, HEAD_DIM, BLOCK_M, USE_TMA)
-        dq_matrix = head_matrix(dQ, bh, H, stride_dqb, stride_dqh, stride_dqn, N_Q, HEAD_DIM, BLOCK_M, USE_TMA)
-        rows = start_m + tl.arange(0, BLOCK_M)
-        q_tile = load_tile(q_matrix, start_m, N_Q, stride_qn, BLOCK_M, HEAD_DIM, USE_TMA)
-        do_tile = load_tile(do_matrix, start_m, N_Q, stride_don, BLOCK_M, HEAD_DIM, USE_TMA)
-        lse = tl.load(LSE + rows, mask=rows < N_Q, other=float("inf")) * KERNEL_LOG2_E  # base 2
-        delta = tl.load(DELTA + rows, mask=rows < N_Q, other=0.0)
-        dq = tl.zeros([BLOCK_M, HEAD_DIM], dtype=tl.float32)
-        unmasked_end, end = key_tile_bounds(start_m, N_K, IS_CAUSAL, BLOCK_M, BLOCK_N)
-        dq = _dq_key_tiles(dq, q_tile, do_tile, lse, delta, K, V, stride_kn, stride_vn, 0, unmasked_end, rows, N_K,
-                           qk_scale, False, IS_CAUSAL, HEAD_DIM, BLOCK_N, USE_TMA)
-        dq = _dq_key_tiles(dq, q_tile, do_tile, lse, delta, K, V, stride_kn, stride_vn, unmasked_end, end, rows, N_K,
-                           qk_scale, True, IS_CAUSAL, HEAD_DIM, BLOCK_N, USE_TMA)
-        store_tile(dq_matrix, start_m, N_Q, stride_dqn, dq * sm_scale, BLOCK_M, HEAD_DIM, USE_TMA)
+
+@triton.jit
+def _dq(Q, K, V, dO, dQ, LSE, DELTA, stride_qb, stride_qh, stride_qn, stride_kb, stride_kh, stride_kn,
+        stride_vb, stride_vh, stride_vn, stride_dob, stride_doh, stride_don, stride_dqb, stride_dqh, stride_dqn,
+        b, h, start_m, H, GROUP, N_Q, N_K, LEFT, RIGHT, qk_scale, sm_scale,
+        HEAD_DIM: tl.constexpr, BLOCK_D: tl.constexpr, BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr,
+        USE_TMA: tl.constexpr):
+    """The dQ job: the query tile from start_m of (b, h), with the forward's schedule."""
+    K = head_matrix(K, b, h // GROUP, stride_kb, stride_kh, stride_kn, N_K, HEAD_DIM, BLOCK_N, BLOCK_D, USE_TMA)
+    V = head_matrix(V, b, h // GROUP, stride_vb, stride_vh, stride_vn, N_K, HEAD_DIM, BLOCK_N, BLOCK_D, USE_TMA)
+    Q = head_matrix(Q, b, h, stride_qb, stride_qh, stride_qn, N_Q, HEAD_DIM, BLOCK_M, BLOCK_D, USE_TMA)
+    dO = head_matrix(dO, b, h, stride_dob, stride_doh, stride_don, N_Q, HEAD_DIM, BLOCK_M, BLOCK_D, USE_TMA)
+    rows = start_m + tl.arange(0, BLOCK_M)
+    q_tile = load_tile(Q, start_m, N_Q, stride_qn, BLOCK_M, HEAD_DIM, BLOCK_D, USE_TMA)
+    do_tile = load_tile(dO, start_m, N_Q, stride_don, BLOCK_M, HEAD_DIM, BLOCK_D, USE_TMA)
+    lse = tl.load(LSE + (b * H + h) * N_Q + rows, mask=rows < N_Q, other=float("inf")) * LOG2_E  # base 2
+    delta = tl.load(DELTA + (b * H + h) * N_Q + rows, mask=rows < N_Q, other=0.0)
+    dq = tl.zeros([BLOCK_M, BLOCK_D], dtype=tl.float32)
+    start, full_start, full_end, end = key_tile_bounds(start_m, N_K, LEFT, RIGHT, BLOCK_M, BLOCK_N)
+    dq = _dq_key_tiles(dq, q_tile, do_tile, lse, delta, K, V, stride_kn, stride_vn, start, full_start, rows, N_K,
+                       LEFT, RIGHT, qk_scale, True, HEAD_DIM, BLOCK_D, BLOCK_N, USE_TMA)
+    dq = _dq_key_tiles(dq, q_tile, do_tile, lse, delta, K, V, stride_kn, stride_vn, full_start, full_end, rows, N_K,
+                       LEFT, RIGHT, qk_scale, False, HEAD_DIM, BLOCK_D, BLOCK_N, USE_TMA)
+    dq = _dq_key_tiles(dq, q_tile, do_tile, lse, delta, K, V, stride_kn, stride_vn, full_end, end, rows, N_K,
+                       LEFT, RIGHT, qk_scale, True, HEAD_DIM, BLOCK_D, BLOCK_N, USE_TMA)
+    dQ = head_matrix(dQ, b, h, stride_dqb, stride_dqh, stride_dqn, N_Q, HEAD_DIM, BLOCK_M, BLOCK_D, USE_TMA)
+    store_tile(dQ, start_m, N_Q, stride_dqn, dq * sm_scale, BLOCK_M, HEAD_DIM, BLOCK_D, USE_TMA)
 
 
 def backward_smem_rows(config):
@@ -171,96 +161,85 @@ def backward_smem_rows(config):
             (2 * tile_n, 2 * dkdv_tile_m)]  # dK, dV: K and V resident, Q and dO streamed
 
 
-# (dQ's query tile, key tile, dK/dV's query tile, num_warps, num_stages, TMA) the tuner chooses
-# among. It times the first three that fit, so the order matters, and the best configs depend on
-# the head dim (docs/benchmarks.md, session 21). This is the order at head dims up to 64: on the
-# H200 the first was the fastest on the model's short sequences and at N = 1024, the second and
-# third on the paper's longer ones. The last is the one that fits sm_89 with float32 at D=128.
+# (dQ's query tile, key tile, dK/dV's query tile, num_warps, num_stages, TMA), best first: the
+# tuner times the first three that fit. On the H200 the first was the fastest on the model's short
+# sequences and at N = 1024, the second and third on the paper's longer ones; at D = 128,
+# 64/64/64 with TMA was the fastest on long sequences, 64/64/32 (causal) and 64/64/64 on cp.async
+# (full) on short ones. The last ones fit wide heads, and float32, in 99 KB.
 BACKWARD_CONFIGS = [
     triton.Config({"BLOCK_M": m, "BLOCK_N": n, "DKDV_BLOCK_M": dkdv_m, "USE_TMA": tma}, num_warps=w, num_stages=s)
     for m, n, dkdv_m, w, s, tma in [
         (64, 64, 32, 4, 2, False), (64, 64, 32, 4, 3, True), (64, 64, 64, 4, 3, True), (64, 64, 64, 4, 2, True),
         (64, 32, 64, 4, 2, False), (64, 64, 64, 4, 2, False), (64, 32, 32, 4, 2, False), (64, 64, 64, 4, 3, False),
-        (128, 64, 64, 8, 2, True), (64, 16, 16, 4, 2, False),
+        (128, 64, 64, 8, 2, True), (64, 16, 16, 4, 2, False), (16, 16, 16, 4, 2, False),
     ]
 ]
-# At wider heads these go first: 64/64/64 with TMA was the fastest at D=128 but on short
-# sequences, where 64/64/32 (causal) and 64/64/64 on cp.async (full) won.
-WIDE_HEAD_FIRST = [BACKWARD_CONFIGS[i] for i in (3, 0, 5)]
 
 
-def backward_configs(head_dim):
-    """BACKWARD_CONFIGS in the order the tuner tries them at head_dim."""
-    if head_dim <= 64:
-        return BACKWARD_CONFIGS
-    return WIDE_HEAD_FIRST + [c for c in BACKWARD_CONFIGS if c not in WIDE_HEAD_FIRST]
-
-
-# delta reads O and dO once: no config to choose (TunedKernel then just keeps the launch cheap).
-DELTA_CONFIG = triton.Config({"BLOCK_M": 64}, num_warps=4)
-
-_attn_bwd_tuned = TunedKernel(_attn_bwd, backward_configs, backward_smem_rows)
-_attn_bwd_delta_launch = TunedKernel(_attn_bwd_delta, [DELTA_CONFIG], smem_rows=None)
-
-
-def gradient_views(grads, q, k, v):
-    """dq, dk, dv as views of the flat tensor grads, one after another, each shaped like the
-    (B, H, N, D) q, k, v and laid out in its memory order (dense_strides)."""
-    views, offset = [], 0
-    for t in (q, k, v):
-        views.append(grads.as_strided(t.shape, dense_strides(t), offset))
-        offset += t.numel()
-    return views
-
-
-def new_gradients(q, k, v):
-    """(grads, dq, dk, dv): a new flat tensor and gradient_views of it."""
-    grads = torch.empty(q.numel() + k.numel() + v.numel(), dtype=q.dtype, device=q.device)
-    return grads, *gradient_views(grads, q, k, v)
-
-
-def flash_backward(q, k, v, o, do, lse, is_causal, out=None, config=None):
-    """Gradients of O = attention(q, k, v) for (B, H, N, D) descriptor-ready q, k, v, o, do
-    and the forward's contiguous float32 lse. Returns dq, dk, dv, which are views of one tensor,
-    grads, that the kernel writes: out = (grads, dq, dk, dv) gives them (for the model's fused
-    projection, its gradient and the q, k, v views of it), else they are new_gradients.
-    Why one tensor: compiled, a kernel's writes to views cost copies of their base (five of
-    them for a packed gradient, docs/optimisation.md "The compiled route"); to one fresh tensor, none.
-    config: a triton.Config of _attn_bwd to bypass the tuning and gluon_backward.py's kernel (tests, bench.py)."""
-    B, H, N_Q, D = q.shape
-    N_K = k.shape[2]
-    grads, dq, dk, dv = out if out is not None else new_gradients(q, k, v)
-    if INTERPRETING and q.dtype == torch.bfloat16:  # as in flash_forward: the interpreter's bf16 dot is garbage
-        grads32 = flash_backward(*(descriptor_ready(t.float()) for t in (q, k, v, o, do)), lse, is_causal,
-                                 config=config)
-        return tuple(g.copy_(g32) for g, g32 in zip((dq, dk, dv), grads32))
-    if B * H * N_Q * N_K == 0:  # no query or no key: every gradient is zero
-        return dq.zero_(), dk.zero_(), dv.zero_()
-    set_tma_scratch_allocator()
-    key = tuning_key(q, k, is_causal)
-
-    heads_go_first = heads_first(k)
-    delta = torch.empty((B, H, N_Q), dtype=torch.float32, device=q.device)
-    grid = lambda meta: program_grid(triton.cdiv(N_Q, meta["BLOCK_M"]), B * H, heads_go_first)
-    _attn_bwd_delta_launch(grid, key, o, do, delta, *o.stride()[:3], *do.stride()[:3], H, N_Q, HEAD_DIM=D,
-                           HEADS_FIRST=heads_go_first)
-    if config is None and not traced(q) and gluon_backward.serves(q, k, is_causal):
-        # Hopper, at the head dims, masks and lengths of gluon_backward.TILES and MIN_KEYS: the
-        # warp-specialised kernel measured faster there. A traced call stays with _attn_bwd, as
-        # flash_forward's does.
-        gluon_backward.gluon_backward(q, k, v, do, lse, delta, is_causal, dq, dk, dv)
-        return dq, dk, dv
-
-    sm_scale = D ** -0.5
-    offsets = (t.storage_offset() - grads.storage_offset() for t in (dq, dk, dv))
-    args = (q, k, v, do, grads, lse, delta, *offsets, *q.stride()[:3], *k.stride()[:3], *v.stride()[:3],
-            *do.stride()[:3], *dq.stride()[:3], *dk.stride()[:3], *dv.stride()[:3], H, N_Q, N_K, sm_scale * LOG2_E,
-            sm_scale)
-    # The key-tile programs first, then the query-tile programs (see _attn_bwd).
-    grid = lambda meta: program_grid(triton.cdiv(N_K, meta["BLOCK_N"]) + triton.cdiv(N_Q, meta["BLOCK_M"]), B * H,
-                                     heads_go_first)
-    if config is None:
-        _attn_bwd_tuned(grid, key, *args, IS_CAUSAL=is_causal, HEAD_DIM=D, HEADS_FIRST=heads_go_first)
+@autotuned(BACKWARD_CONFIGS, backward_smem_rows, key=["N_Q", "N_K", "H", "GROUP", "LEFT", "RIGHT", "HEAD_DIM"])
+@triton.jit
+def _attn_bwd(Q, K, V, dO, dQ, dK, dV, LSE, DELTA,
+              stride_qb, stride_qh, stride_qn, stride_kb, stride_kh, stride_kn,
+              stride_vb, stride_vh, stride_vn, stride_dob, stride_doh, stride_don,
+              stride_dqb, stride_dqh, stride_dqn, stride_dkb, stride_dkh, stride_dkn, stride_dvb, stride_dvh, stride_dvn,
+              H, GROUP, N_Q, N_K, LEFT, RIGHT, qk_scale, sm_scale,
+              HEAD_DIM: tl.constexpr, BLOCK_D: tl.constexpr, HEADS_FIRST: tl.constexpr,
+              BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr, DKDV_BLOCK_M: tl.constexpr, USE_TMA: tl.constexpr):
+    """The grid's head axis runs over (batch, kv head); its tile axis over that kv head's key
+    tiles (dK/dV jobs), then the query tiles of its GROUP query heads (dQ jobs, the heads of one
+    query tile side by side, so they read the same K and V tiles at about the same time). Key
+    tiles have BLOCK_N rows in both jobs; query tiles BLOCK_M rows where a dQ program holds one,
+    DKDV_BLOCK_M where a dK/dV program streams them (each job has its best)."""
+    tile, b_kv, tiles = program_tile_and_head(HEADS_FIRST)
+    b, kv_head = b_kv // (H // GROUP), b_kv % (H // GROUP)
+    key_tiles = tl.cdiv(N_K, BLOCK_N)
+    if tile < key_tiles:
+        _dkdv(Q, K, V, dO, dK, dV, LSE, DELTA, stride_qb, stride_qh, stride_qn, stride_kb, stride_kh, stride_kn,
+              stride_vb, stride_vh, stride_vn, stride_dob, stride_doh, stride_don, stride_dkb, stride_dkh, stride_dkn,
+              stride_dvb, stride_dvh, stride_dvn, b, kv_head, tile * BLOCK_N, H, GROUP, N_Q, N_K, LEFT, RIGHT,
+              qk_scale, sm_scale, HEAD_DIM, BLOCK_D, BLOCK_N, DKDV_BLOCK_M, USE_TMA)
     else:
-        _attn_bwd[grid](*args, IS_CAUSAL=is_causal, HEAD_DIM=D, HEADS_FIRST=heads_go_first, **config.all_kwargs())
+        job = tile - key_tiles
+        start_m = query_tile_start(job // GROUP, (tiles - key_tiles) // GROUP, BLOCK_M)
+        _dq(Q, K, V, dO, dQ, LSE, DELTA, stride_qb, stride_qh, stride_qn, stride_kb, stride_kh, stride_kn,
+            stride_vb, stride_vh, stride_vn, stride_dob, stride_doh, stride_don, stride_dqb, stride_dqh, stride_dqn,
+            b, kv_head * GROUP + job % GROUP, start_m, H, GROUP, N_Q, N_K, LEFT, RIGHT, qk_scale, sm_scale,
+            HEAD_DIM, BLOCK_D, BLOCK_M, BLOCK_N, USE_TMA)
+
+
+def flash_backward(q, k, v, o, do, lse, is_causal=False, window_size=(-1, -1), config=None):
+    """dq, dk, dv of O = attention(q, k, v) given do, for q, o, do (B, H, N_q, D), k, v
+    (B, H_kv, N_k, D) (fewer dims are read as leading ones) and the forward's lse. Each gradient
+    is laid out in its input's memory order and shaped (B, H, N, D). config: a triton.Config of
+    _attn_bwd's, to bypass the tuner and the Hopper kernel (tests, bench.py)."""
+    dq, dk, dv = (new_like(as_4d(t)) for t in (q, k, v))
+    q, k, v, o, do = (descriptor_ready(t) for t in (q, k, v, o, do))
+    B, H, N_Q, D = q.shape
+    H_KV, N_K = k.shape[1], k.shape[2]
+    lse = lse.reshape(B, H, N_Q).contiguous()
+    if INTERPRETING and q.dtype == torch.bfloat16:  # as in flash_forward: the interpreter's bf16 dot is wrong
+        grads = flash_backward(q.float(), k.float(), v.float(), o.float(), do.float(), lse, is_causal, window_size,
+                               config)
+        return tuple(g.copy_(g32) for g, g32 in zip((dq, dk, dv), grads))
+    if q.numel() * N_K == 0:  # no query or no key: every gradient is zero
+        return dq.zero_(), dk.zero_(), dv.zero_()
+    left, right = window_bounds(is_causal, window_size)
+    go_heads_first = heads_first(k, B * H)
+    delta = torch.empty((B, H, N_Q), dtype=torch.float32, device=q.device)
+    set_tma_scratch_allocator()
+    _attn_bwd_delta[program_grid(triton.cdiv(N_Q, 64), B * H, go_heads_first)](
+        o, do, delta, *o.stride()[:3], *do.stride()[:3], H, N_Q,
+        HEAD_DIM=D, BLOCK_D=head_dim_block(D), HEADS_FIRST=go_heads_first, BLOCK_M=64, num_warps=4)
+    if config is None and hopper_backward.serves(q, k, left, right):
+        hopper_backward.launch(q, k, v, do, lse, delta, is_causal, dq, dk, dv)
+        return dq, dk, dv
+    group = H // H_KV
+    # Per (batch, kv head): its key tiles, then its GROUP heads' query tiles (see _attn_bwd).
+    grid = lambda meta: program_grid(triton.cdiv(N_K, meta["BLOCK_N"]) + group * triton.cdiv(N_Q, meta["BLOCK_M"]),
+                                     B * H_KV, go_heads_first)
+    kernel, config_args = (_attn_bwd, {}) if config is None else (_attn_bwd.fn, config.all_kwargs())
+    kernel[grid](q, k, v, do, dq, dk, dv, lse, delta, *q.stride()[:3], *k.stride()[:3], *v.stride()[:3],
+                 *do.stride()[:3], *dq.stride()[:3], *dk.stride()[:3], *dv.stride()[:3],
+                 H, group, N_Q, N_K, left, right, D ** -0.5 * LOG2_E.value, D ** -0.5,
+                 HEAD_DIM=D, BLOCK_D=head_dim_block(D), HEADS_FIRST=go_heads_first, **config_args)
     return dq, dk, dv

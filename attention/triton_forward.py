@@ -5,78 +5,57 @@ softmax state (m_i, l_i, acc) in registers and streams K/V tiles past them, so t
 N_q x N_k score matrix never exists in memory. It writes O and the logsumexp lse once.
 
 The softmax runs in base 2 (exp2 is one instruction; log2(e) is folded into the scale), so
-m_i is a running max of base-2 logits. Causal programs visit key tiles in two stages: tiles
-wholly below the diagonal with no mask, then the few that cross the diagonal or the end of
-the keys with one. Tiles wholly above the diagonal are never loaded. Where a tile starts, which
-tiles a program visits, the mask and the tile loads and stores are triton_tiles.py's helpers,
-which the backward shares.
+m_i is a running max of base-2 logits. A program visits its key tiles in three runs
+(triton_tiles.key_tile_bounds): masked tiles at a window's left edge, full tiles with no mask,
+masked tiles at the diagonal, a window's right edge or the end of the keys. Tiles no row of the
+query tile sees are never loaded: a causal mask or a window is a bound on the loop.
+Grouped-query heads are an index map: query head h reads kv head h // GROUP.
+
+tiled.py is this file's twin in PyTorch, with the same names and tile bounds.
 """
 import torch
 import triton
 import triton.language as tl
 
-from . import gluon_forward
-from .triton_launch import (INTERPRETING, TunedKernel, descriptor_ready, heads_first, program_grid,
-                            set_tma_scratch_allocator, traced, tuning_key)
+from .hopper import forward as hopper_forward
+from .eager import window_bounds
+from .launch import (INTERPRETING, as_4d, autotuned, descriptor_ready, head_dim_block, heads_first, new_like, program_grid,
+                     set_tma_scratch_allocator)
 from .triton_tiles import (LN_2, LOG2_E, head_matrix, key_tile_bounds, load_tile, program_tile_and_head,
                            query_tile_start, store_tile, visible_in_tile)
 
 
 @triton.jit
-def _fwd_key_tiles(acc, l_i, m_i, q_tile, K, V, stride_kn, stride_vn, start_n, end_n, rows, N_K, qk_scale,
-                   MASKED: tl.constexpr, IS_CAUSAL: tl.constexpr, HEAD_DIM: tl.constexpr, BLOCK_N: tl.constexpr,
-                   USE_TMA: tl.constexpr):
-    """The online-softmax update over key tiles [start_n, end_n): for each tile, rescale what
-    was accumulated by exp2(m_old - m_new) and add this tile's share."""
-    for tile_start in range(start_n, end_n, BLOCK_N):
-        k_tile = load_tile(K, tile_start, N_K, stride_kn, BLOCK_N, HEAD_DIM, USE_TMA)
+def online_softmax_update(acc, l_i, m_i, s, v_tile, qk_scale, MASKED: tl.constexpr):
+    """tiled.online_softmax_update: fold one tile of raw scores s (hidden ones -inf) and its
+    values into the running max m_i (base-2 logits), sum l_i and unnormalised output acc. The
+    scale goes where it is needed, not to the whole tile first: into the row max and inside
+    exp2's argument, where scale * s - m is one fused multiply-add."""
+    m_new = tl.maximum(m_i, tl.max(s, 1) * qk_scale)
+    m_shift = m_new
+    if MASKED:  # a row that has seen no key yet: measure against 0, not -inf (exp2(-inf - -inf) is NaN)
+        m_shift = tl.where(m_new == float("-inf"), 0.0, m_new)
+    p = tl.exp2(s * qk_scale - m_shift[:, None])
+    alpha = tl.exp2(m_i - m_shift)  # how much the old maximum overstated the new one
+    l_i = l_i * alpha + tl.sum(p, 1)
+    acc = tl.dot(p.to(v_tile.dtype), v_tile, acc * alpha[:, None])
+    return acc, l_i, m_new
+
+
+@triton.jit
+def _key_tiles(acc, l_i, m_i, q_tile, K, V, stride_kn, stride_vn, start, end, rows, N_K, LEFT, RIGHT, qk_scale,
+               MASKED: tl.constexpr, HEAD_DIM: tl.constexpr, BLOCK_D: tl.constexpr, BLOCK_N: tl.constexpr,
+               USE_TMA: tl.constexpr):
+    """The online-softmax update over the key tiles from start to end."""
+    for tile_start in range(start, end, BLOCK_N):
+        k_tile = load_tile(K, tile_start, N_K, stride_kn, BLOCK_N, HEAD_DIM, BLOCK_D, USE_TMA)
         s = tl.dot(q_tile, tl.trans(k_tile))  # raw scores, (BLOCK_M, BLOCK_N)
-        if MASKED:  # this tile crosses the diagonal or runs past the last key
+        if MASKED:
             cols = tile_start + tl.arange(0, BLOCK_N)
-            s = tl.where(visible_in_tile(rows[:, None], cols[None, :], N_K, IS_CAUSAL), s, float("-inf"))
-        # The scale is applied where it is needed, not to the whole tile first: to the row max
-        # (BLOCK_M values) and inside exp2's argument, where scale * s - m is one fused multiply-add.
-        m_new = tl.maximum(m_i, tl.max(s, 1) * qk_scale)  # running max of base-2 logits
-        p = tl.exp2(s * qk_scale - m_new[:, None])
-        alpha = tl.exp2(m_i - m_new)  # how much the old maximum overstated the new one
-        l_i = l_i * alpha + tl.sum(p, 1)
-        v_tile = load_tile(V, tile_start, N_K, stride_vn, BLOCK_N, HEAD_DIM, USE_TMA)
-        acc = tl.dot(p.to(v_tile.dtype), v_tile, acc * alpha[:, None])
-        m_i = m_new
+            s = tl.where(visible_in_tile(rows[:, None], cols[None, :], N_K, LEFT, RIGHT), s, float("-inf"))
+        v_tile = load_tile(V, tile_start, N_K, stride_vn, BLOCK_N, HEAD_DIM, BLOCK_D, USE_TMA)
+        acc, l_i, m_i = online_softmax_update(acc, l_i, m_i, s, v_tile, qk_scale, MASKED)
     return acc, l_i, m_i
-
-
-@triton.jit(do_not_specialize=["N_Q", "N_K"])
-def _attn_fwd(Q, K, V, O, LSE,
-              stride_qb, stride_qh, stride_qn, stride_kb, stride_kh, stride_kn,
-              stride_vb, stride_vh, stride_vn, stride_ob, stride_oh, stride_on,
-              H, N_Q, N_K, qk_scale,
-              IS_CAUSAL: tl.constexpr, HEAD_DIM: tl.constexpr, HEADS_FIRST: tl.constexpr,
-              BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr, USE_TMA: tl.constexpr):
-    tile, bh, tiles = program_tile_and_head(HEADS_FIRST)
-    start_m = query_tile_start(tile, tiles, IS_CAUSAL, BLOCK_M)
-    qk_scale = tl.cast(qk_scale, tl.float32)  # Inductor passes a Python float as float64
-    Q = head_matrix(Q, bh, H, stride_qb, stride_qh, stride_qn, N_Q, HEAD_DIM, BLOCK_M, USE_TMA)
-    K = head_matrix(K, bh, H, stride_kb, stride_kh, stride_kn, N_K, HEAD_DIM, BLOCK_N, USE_TMA)
-    V = head_matrix(V, bh, H, stride_vb, stride_vh, stride_vn, N_K, HEAD_DIM, BLOCK_N, USE_TMA)
-    O = head_matrix(O, bh, H, stride_ob, stride_oh, stride_on, N_Q, HEAD_DIM, BLOCK_M, USE_TMA)
-
-    rows = start_m + tl.arange(0, BLOCK_M)
-    m_i = tl.full([BLOCK_M], float("-inf"), dtype=tl.float32)
-    l_i = tl.zeros([BLOCK_M], dtype=tl.float32)
-    acc = tl.zeros([BLOCK_M, HEAD_DIM], dtype=tl.float32)
-    q_tile = load_tile(Q, start_m, N_Q, stride_qn, BLOCK_M, HEAD_DIM, USE_TMA)
-
-    unmasked_end, end = key_tile_bounds(start_m, N_K, IS_CAUSAL, BLOCK_M, BLOCK_N)
-    acc, l_i, m_i = _fwd_key_tiles(acc, l_i, m_i, q_tile, K, V, stride_kn, stride_vn, 0, unmasked_end, rows, N_K,
-                                   qk_scale, False, IS_CAUSAL, HEAD_DIM, BLOCK_N, USE_TMA)
-    acc, l_i, m_i = _fwd_key_tiles(acc, l_i, m_i, q_tile, K, V, stride_kn, stride_vn, unmasked_end, end, rows, N_K,
-                                   qk_scale, True, IS_CAUSAL, HEAD_DIM, BLOCK_N, USE_TMA)
-
-    # Normalise once, at the end. Every row saw key 0, so l_i >= 1.
-    store_tile(O, start_m, N_Q, stride_on, acc / l_i[:, None], BLOCK_M, HEAD_DIM, USE_TMA)
-    lse = (m_i + tl.log2(l_i)) * LN_2  # back to natural log
-    tl.store(LSE + bh * N_Q + rows, lse, mask=rows < N_Q)
 
 
 def forward_smem_rows(config):
@@ -84,58 +63,83 @@ def forward_smem_rows(config):
     return [(config.kwargs["BLOCK_M"], 2 * config.kwargs["BLOCK_N"])]
 
 
-# The tuner's choices, best first (TunedKernel times only the first TIMED_CANDIDATES that fit).
-# Besides tile sizes, warps and pipeline depth, the load path is a knob. On the H200 the three
-# timed there each win somewhere: 64x128 with TMA the long D=64 sequences, 128x64 with TMA
-# D=128, 64x64 with cp.async the model's short ones. Cards without TMA keep the cp.async
-# configs, of which the first three are timed. docs/optimisation.md and docs/benchmarks.md
-# have the numbers.
+# (BLOCK_M, BLOCK_N, num_warps, num_stages, TMA), best first: the tuner times the first three that
+# fit the card and the sequence. On the H200 the first three each win somewhere: 64x128 with TMA
+# the long D=64 sequences, 128x64 with TMA D=128, 64x64 with cp.async the model's short ones.
+# Cards without TMA start at the third; the last ones fit wide heads in 99 KB.
 FORWARD_CONFIGS = [
     triton.Config({"BLOCK_M": bm, "BLOCK_N": bn, "USE_TMA": tma}, num_warps=w, num_stages=s)
     for bm, bn, w, s, tma in [
         (64, 128, 4, 2, True), (128, 64, 4, 2, True), (64, 64, 4, 3, False), (128, 64, 8, 3, False), (64, 64, 4, 2, True),
         (64, 64, 4, 3, True), (128, 128, 4, 3, True), (128, 32, 4, 3, False), (64, 32, 4, 2, False),
+        (32, 16, 4, 2, False), (16, 16, 4, 2, False),
     ]
 ]
 
-_attn_fwd_tuned = TunedKernel(_attn_fwd, FORWARD_CONFIGS, forward_smem_rows)
+
+@autotuned(FORWARD_CONFIGS, forward_smem_rows, key=["N_Q", "N_K", "H", "LEFT", "RIGHT", "HEAD_DIM"])
+@triton.jit(do_not_specialize=["N_Q", "N_K"])
+def _attn_fwd(Q, K, V, O, LSE,
+              stride_qb, stride_qh, stride_qn, stride_kb, stride_kh, stride_kn,
+              stride_vb, stride_vh, stride_vn, stride_ob, stride_oh, stride_on,
+              H, GROUP, N_Q, N_K, LEFT, RIGHT, qk_scale,
+              HEAD_DIM: tl.constexpr, BLOCK_D: tl.constexpr, HEADS_FIRST: tl.constexpr,
+              BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr, USE_TMA: tl.constexpr):
+    tile, bh, tiles = program_tile_and_head(HEADS_FIRST)
+    start_m = query_tile_start(tile, tiles, BLOCK_M)
+    b, h = bh // H, bh % H
+    Q = head_matrix(Q, b, h, stride_qb, stride_qh, stride_qn, N_Q, HEAD_DIM, BLOCK_M, BLOCK_D, USE_TMA)
+    O = head_matrix(O, b, h, stride_ob, stride_oh, stride_on, N_Q, HEAD_DIM, BLOCK_M, BLOCK_D, USE_TMA)
+    K = head_matrix(K, b, h // GROUP, stride_kb, stride_kh, stride_kn, N_K, HEAD_DIM, BLOCK_N, BLOCK_D, USE_TMA)
+    V = head_matrix(V, b, h // GROUP, stride_vb, stride_vh, stride_vn, N_K, HEAD_DIM, BLOCK_N, BLOCK_D, USE_TMA)
+
+    rows = start_m + tl.arange(0, BLOCK_M)
+    m_i = tl.full([BLOCK_M], float("-inf"), dtype=tl.float32)
+    l_i = tl.zeros([BLOCK_M], dtype=tl.float32)
+    acc = tl.zeros([BLOCK_M, BLOCK_D], dtype=tl.float32)
+    q_tile = load_tile(Q, start_m, N_Q, stride_qn, BLOCK_M, HEAD_DIM, BLOCK_D, USE_TMA)
+
+    start, full_start, full_end, end = key_tile_bounds(start_m, N_K, LEFT, RIGHT, BLOCK_M, BLOCK_N)
+    acc, l_i, m_i = _key_tiles(acc, l_i, m_i, q_tile, K, V, stride_kn, stride_vn, start, full_start, rows, N_K,
+                               LEFT, RIGHT, qk_scale, True, HEAD_DIM, BLOCK_D, BLOCK_N, USE_TMA)
+    acc, l_i, m_i = _key_tiles(acc, l_i, m_i, q_tile, K, V, stride_kn, stride_vn, full_start, full_end, rows, N_K,
+                               LEFT, RIGHT, qk_scale, False, HEAD_DIM, BLOCK_D, BLOCK_N, USE_TMA)
+    acc, l_i, m_i = _key_tiles(acc, l_i, m_i, q_tile, K, V, stride_kn, stride_vn, full_end, end, rows, N_K,
+                               LEFT, RIGHT, qk_scale, True, HEAD_DIM, BLOCK_D, BLOCK_N, USE_TMA)
+
+    # Normalise once, at the end. A row that saw no key keeps l_i = 0: O = 0, lse = -inf.
+    l_safe = tl.where(l_i == 0.0, 1.0, l_i)
+    store_tile(O, start_m, N_Q, stride_on, acc / l_safe[:, None], BLOCK_M, HEAD_DIM, BLOCK_D, USE_TMA)
+    lse = tl.where(l_i == 0.0, float("-inf"), (m_i + tl.log2(l_safe)) * LN_2)  # back to natural log
+    tl.store(LSE + bh * N_Q + rows, lse, mask=rows < N_Q)
 
 
-def flash_forward(q, k, v, is_causal, config=None, out=None):
-    """q, k, v: (B, H, N, D) descriptor-ready views. Returns O (B, H, N_q, D) in q's dtype
-    and lse (B, H, N_q) float32: written into out = (O, lse) when given (O descriptor-ready, lse
-    contiguous). config: a triton.Config to bypass the tuning and gluon_forward.py's kernel (tests, bench)."""
+def flash_forward(q, k, v, is_causal=False, window_size=(-1, -1), config=None):
+    """O and lse of attention over q (B, H, N_q, D) and k, v (B, H_kv, N_k, D) (fewer dims are
+    read as leading ones), any strides with unit stride along D. O comes back laid out in q's
+    memory order (launch.new_like) and shaped (B, H, N_q, D); lse (B, H, N_q) float32. config: a
+    triton.Config of _attn_fwd's, to bypass the tuner and the Hopper kernel (tests, bench.py)."""
+    o = new_like(as_4d(q))
+    q, k, v = (descriptor_ready(t) for t in (q, k, v))
     B, H, N_Q, D = q.shape
     N_K = k.shape[2]
-    # O in q's memory order: for the model's q, a view of (B, N, 3, H, D), that is (B, N, H, D),
-    # so the transpose back to (B, N, H * D) after attention costs no copy.
-    o, lse = out if out is not None else (torch.empty_like(q), torch.empty((B, H, N_Q), dtype=torch.float32,
-                                                                           device=q.device))
+    lse = torch.empty((B, H, N_Q), dtype=torch.float32, device=q.device)
     if INTERPRETING and q.dtype == torch.bfloat16:
-        # The interpreter's tl.dot returns garbage on bfloat16 (numpy has no bf16): on the CPU,
-        # bf16 runs in float32 and O is rounded to bf16 at the end.
-        o32, _ = flash_forward(*(descriptor_ready(t.float()) for t in (q, k, v)), is_causal, config,
-                               out=(torch.empty(o.shape, dtype=torch.float32), lse))
+        # The interpreter's tl.dot is wrong on bfloat16 (numpy has no bf16): on the CPU, bf16 runs
+        # in float32 and O is rounded to bf16 at the end.
+        o32, lse = flash_forward(q.float(), k.float(), v.float(), is_causal, window_size, config)
         return o.copy_(o32), lse
-    if N_K == 0:  # no key to attend to (TMA cannot describe an empty matrix): O = 0, lse = -inf
+    if N_K == 0 or o.numel() == 0:  # no key to attend to: O = 0, lse = -inf
         return o.zero_(), lse.fill_(float("-inf"))
-    if o.numel() == 0:
+    left, right = window_bounds(is_causal, window_size)
+    if config is None and hopper_forward.serves(q, k, left, right):
+        hopper_forward.launch(q, k, v, o, lse, is_causal)
         return o, lse
-    if config is None and not traced(q) and gluon_forward.serves(q, k, is_causal):
-        # Hopper, at the head dims, masks and lengths of gluon_forward.TILES and MIN_KEYS: the
-        # warp-specialised kernel measured faster there. A traced call stays with _attn_fwd:
-        # torch.compile records launches through wrap_triton, which we have not tried with a
-        # Gluon kernel.
-        gluon_forward.gluon_forward(q, k, v, o, lse, is_causal)
-        return o, lse
-    args = (q, k, v, o, lse, *q.stride()[:3], *k.stride()[:3], *v.stride()[:3], *o.stride()[:3],
-            H, N_Q, N_K, D ** -0.5 * LOG2_E)
-    heads_go_first = heads_first(k)
-    grid = lambda meta: program_grid(triton.cdiv(N_Q, meta["BLOCK_M"]), B * H, heads_go_first)
+    go_heads_first = heads_first(k, B * H)
+    grid = lambda meta: program_grid(triton.cdiv(N_Q, meta["BLOCK_M"]), B * H, go_heads_first)
+    kernel, config_args = (_attn_fwd, {}) if config is None else (_attn_fwd.fn, config.all_kwargs())
     set_tma_scratch_allocator()
-    if config is None:
-        _attn_fwd_tuned(grid, tuning_key(q, k, is_causal), *args, IS_CAUSAL=is_causal, HEAD_DIM=D,
-                        HEADS_FIRST=heads_go_first)
-    else:
-        _attn_fwd[grid](*args, IS_CAUSAL=is_causal, HEAD_DIM=D, HEADS_FIRST=heads_go_first, **config.all_kwargs())
+    kernel[grid](q, k, v, o, lse, *q.stride()[:3], *k.stride()[:3], *v.stride()[:3], *o.stride()[:3],
+                 H, H // k.shape[1], N_Q, N_K, left, right, D ** -0.5 * LOG2_E.value,
+                 HEAD_DIM=D, BLOCK_D=head_dim_block(D), HEADS_FIRST=go_heads_first, **config_args)
     return o, lse

@@ -1,113 +1,124 @@
 """The @triton.jit helpers both FlashAttention kernels share: where a program's tile starts,
-which tiles it visits and which scores in a tile it may see, and how it reads and writes the
-(N, HEAD_DIM) matrix of one (batch, head) a tile at a time.
+which tiles it visits and which scores in a tile it may see (tile_bounds.py's rules, under the
+same names), and how it reads and writes the (N, HEAD_DIM) matrix of one head a tile at a time.
 
-triton_forward.py and triton_backward.py import these; their PyTorch twins are in
-tile_bounds.py, under the same names, and the tests check both against eager's causal mask.
+The head dim is padded to BLOCK_D, the next power of two (at least 16, what tl.dot takes): the
+loads fill the padding with zeros, which add nothing to Q K^T and give zero columns of O,
+never stored.
 """
 import triton
 import triton.language as tl
 
-LOG2_E = 1.4426950408889634  # the kernels' softmax runs in base 2: exp(x) = exp2(x * LOG2_E)
+# Constants a kernel reads must be tl.constexpr; the host reads LOG2_E.value.
+LOG2_E = tl.constexpr(1.4426950408889634)  # the kernels' softmax runs in base 2: exp(x) = exp2(x * LOG2_E)
 LN_2 = tl.constexpr(0.6931471805599453)  # and the forwards' lse goes back: log(x) = log2(x) * LN_2
 
 
 @triton.jit
 def program_tile_and_head(HEADS_FIRST: tl.constexpr):
-    """This program's tile, its batch-head and how many tile programs each batch-head has. The
-    grid is (tiles, B * H), or (B * H, tiles) with HEADS_FIRST (triton_launch.heads_first
-    says when). The GPU starts programs in grid order, x fastest: with the heads along x, the
-    first (for causal: the longest) tiles of every head start before the later tiles of any."""
-    tile, bh, tiles = tl.program_id(0), tl.program_id(1), tl.num_programs(0)
+    """This program's tile, its head (a (batch, head) or (batch, kv head) index) and how many
+    tile programs each head has. The grid is (tiles, heads), or (heads, tiles) with HEADS_FIRST
+    (launch.heads_first says when). The GPU starts programs in grid order, x fastest: with the
+    heads along x, the first (for causal: the longest) tiles of every head start before the
+    later tiles of any."""
+    tile, head, tiles = tl.program_id(0), tl.program_id(1), tl.num_programs(0)
     if HEADS_FIRST:
-        tile, bh, tiles = tl.program_id(1), tl.program_id(0), tl.num_programs(1)
-    return tile, bh, tiles
+        tile, head, tiles = tl.program_id(1), tl.program_id(0), tl.num_programs(1)
+    return tile, head, tiles
 
 
 @triton.jit
-def query_tile_start(program, n_programs, IS_CAUSAL: tl.constexpr, BLOCK_M: tl.constexpr):
-    """The first query row of the tile of the program-th of n_programs query-tile programs.
-    Causal query tiles near the end have the most keys to visit: launch them first, so the
-    short ones fill the gaps at the end of the grid."""
-    tile_m = program
-    if IS_CAUSAL:
-        tile_m = n_programs - 1 - program
-    return tile_m * BLOCK_M
+def query_tile_start(program, n_programs, BLOCK_M: tl.constexpr):
+    """The first query row of the tile of the program-th of n_programs query-tile programs, the
+    last tile first: causal, the last tiles see the most keys, and the short ones started last
+    fill the gaps at the end of the grid. Without a mask every tile has the same work, and the
+    order does not matter."""
+    return (n_programs - 1 - program) * BLOCK_M
 
 
 @triton.jit
-def key_tile_bounds(start_m, N_K, IS_CAUSAL: tl.constexpr, BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr):
-    """tile_bounds.key_tile_bounds (the forward and the dQ pass): of the key tiles the query
-    tile starting at row start_m visits, [0, unmasked_end) need no mask and [unmasked_end, end)
-    need visible_in_tile."""
-    unmasked_end = (N_K // BLOCK_N) * BLOCK_N
-    end = N_K
-    if IS_CAUSAL:
-        unmasked_end = tl.minimum(unmasked_end, (start_m + 1) // BLOCK_N * BLOCK_N)
-        end = tl.minimum(start_m + BLOCK_M, N_K)
-    return unmasked_end, end
+def tile_run(seen_from, all_see_from, all_see_to, seen_to, BLOCK: tl.constexpr):
+    """tile_bounds.tile_run: (start, full_start, full_end, end) of the tiles over positions
+    [seen_from, seen_to); those inside [all_see_from, all_see_to) need no mask."""
+    start = seen_from // BLOCK * BLOCK
+    end_tile = tl.cdiv(seen_to, BLOCK) * BLOCK
+    full_start = tl.minimum(tl.maximum(tl.cdiv(tl.maximum(all_see_from, 0), BLOCK) * BLOCK, start), end_tile)
+    full_end = tl.maximum(tl.minimum(all_see_to // BLOCK * BLOCK, end_tile), full_start)
+    return start, full_start, full_end, seen_to
 
 
 @triton.jit
-def query_tile_bounds(start_n, N_Q, IS_CAUSAL: tl.constexpr, BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr):
-    """tile_bounds.query_tile_bounds (the dK/dV pass): of the query tiles the key tile starting
-    at row start_n visits, [start_m, unmasked_start) need visible_in_tile and [unmasked_start, N_Q)
-    need no mask."""
-    start_m = 0
-    unmasked_start = 0
-    if IS_CAUSAL:
-        start_m = start_n // BLOCK_M * BLOCK_M
-        unmasked_start = tl.minimum(tl.cdiv(start_n + BLOCK_N - 1, BLOCK_M) * BLOCK_M, tl.cdiv(N_Q, BLOCK_M) * BLOCK_M)
-    return start_m, unmasked_start
+def key_tile_bounds(start_m, N_K, LEFT, RIGHT, BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr):
+    """tile_bounds.key_tile_bounds: the key tiles the query tile from row start_m visits (the
+    forward and the dQ pass)."""
+    last_m = start_m + BLOCK_M - 1
+    return tile_run(tl.maximum(start_m - LEFT, 0), last_m - LEFT, tl.minimum(start_m + RIGHT + 1, N_K),
+                    tl.minimum(last_m + RIGHT + 1, N_K), BLOCK_N)
 
 
 @triton.jit
-def visible_in_tile(rows, cols, N_K, IS_CAUSAL: tl.constexpr):
-    """True where query row `rows` may see key `cols`: the key lies before N_K and, causal,
-    eager.py's rule holds. rows and cols come broadcast against each other: rows[:, None] and
-    cols[None, :] for a tile of scores, rows[None, :] and cols[:, None] for a transposed one."""
-    visible = cols < N_K
-    if IS_CAUSAL:
-        visible = visible & (cols <= rows)
-    return visible
+def query_tile_bounds(start_n, N_Q, LEFT, RIGHT, BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr):
+    """tile_bounds.query_tile_bounds: the query tiles that see the key tile from row start_n
+    (the dK/dV pass)."""
+    last_n = start_n + BLOCK_N - 1
+    return tile_run(tl.maximum(start_n - RIGHT, 0), last_n - RIGHT,
+                    tl.minimum(start_n + LEFT + 1, tl.cdiv(N_Q, BLOCK_M) * BLOCK_M),
+                    tl.minimum(last_n + LEFT + 1, N_Q), BLOCK_M)
 
 
 @triton.jit
-def head_matrix(T, bh, H, stride_b, stride_h, stride_n, N,
-                HEAD_DIM: tl.constexpr, BLOCK: tl.constexpr, USE_TMA: tl.constexpr):
-    """The (N, HEAD_DIM) matrix of batch-head bh, read and written in (BLOCK, HEAD_DIM) tiles
+def visible_in_tile(rows, cols, N_K, LEFT, RIGHT):
+    """True where query row `rows` may see key `cols`. rows and cols come broadcast against each
+    other: rows[:, None] and cols[None, :] for a tile of scores, the other way round for a
+    transposed one."""
+    return (cols < N_K) & (cols >= rows - LEFT) & (cols <= rows + RIGHT)
+
+
+@triton.jit
+def head_matrix(T, b, h, stride_b, stride_h, stride_n, N,
+                HEAD_DIM: tl.constexpr, BLOCK: tl.constexpr, BLOCK_D: tl.constexpr, USE_TMA: tl.constexpr):
+    """The (N, HEAD_DIM) matrix of batch b, head h, read and written in (BLOCK, BLOCK_D) tiles
     through its strides: the model's q, k, v are strided views of one fused projection and are
     never copied. On Hopper it is a TMA tensor descriptor (the copy engine moves whole tiles and
     checks bounds in hardware); elsewhere the base pointer for load_tile's masked loads, which
     Triton pipelines with cp.async."""
-    b = (bh // H).to(tl.int64)
-    h = (bh % H).to(tl.int64)
+    base = T + b.to(tl.int64) * stride_b + h.to(tl.int64) * stride_h
     if USE_TMA:
-        matrix = tl.make_tensor_descriptor(T + b * stride_b + h * stride_h, shape=[N, HEAD_DIM],
-                                           strides=[stride_n, 1], block_shape=[BLOCK, HEAD_DIM])
-    else:
-        matrix = T + b * stride_b + h * stride_h
-    return matrix
+        return tl.make_tensor_descriptor(base, shape=[N, HEAD_DIM], strides=[stride_n, 1],
+                                         block_shape=[BLOCK, BLOCK_D])
+    return base
 
 
 @triton.jit
-def load_tile(matrix, start, N, stride_n, BLOCK: tl.constexpr, HEAD_DIM: tl.constexpr, USE_TMA: tl.constexpr):
-    """Rows [start, start + BLOCK) of a head matrix; rows past N read as zeros."""
+def tile_mask(rows, N, HEAD_DIM: tl.constexpr, BLOCK_D: tl.constexpr):
+    """Which elements of a (rows, BLOCK_D) tile exist: rows before N, and, where the head dim is
+    padded, its first HEAD_DIM columns."""
+    mask = rows[:, None] < N
+    if HEAD_DIM != BLOCK_D:
+        mask = mask & (tl.arange(0, BLOCK_D)[None, :] < HEAD_DIM)
+    return mask
+
+
+@triton.jit
+def load_tile(matrix, start, N, stride_n, BLOCK: tl.constexpr, HEAD_DIM: tl.constexpr, BLOCK_D: tl.constexpr,
+              USE_TMA: tl.constexpr):
+    """Rows [start, start + BLOCK) of a head matrix; rows past N and padded columns read as zeros."""
     if USE_TMA:
         tile = matrix.load([start, 0])
     else:
         rows = start + tl.arange(0, BLOCK)
-        tile = tl.load(matrix + rows[:, None] * stride_n + tl.arange(0, HEAD_DIM)[None, :],
-                       mask=rows[:, None] < N, other=0.0)
+        tile = tl.load(matrix + rows[:, None] * stride_n + tl.arange(0, BLOCK_D)[None, :],
+                       mask=tile_mask(rows, N, HEAD_DIM, BLOCK_D), other=0.0)
     return tile
 
 
 @triton.jit
-def store_tile(matrix, start, N, stride_n, tile, BLOCK: tl.constexpr, HEAD_DIM: tl.constexpr, USE_TMA: tl.constexpr):
-    """Write rows [start, start + BLOCK) of a head matrix; rows past N are dropped."""
+def store_tile(matrix, start, N, stride_n, tile, BLOCK: tl.constexpr, HEAD_DIM: tl.constexpr, BLOCK_D: tl.constexpr,
+               USE_TMA: tl.constexpr):
+    """Write rows [start, start + BLOCK) of a head matrix; rows past N and padded columns are dropped."""
     if USE_TMA:
         matrix.store([start, 0], tile.to(matrix.dtype))
     else:
         rows = start + tl.arange(0, BLOCK)
-        tl.store(matrix + rows[:, None] * stride_n + tl.arange(0, HEAD_DIM)[None, :], tile.to(matrix.dtype.element_ty),
-                 mask=rows[:, None] < N)
+        tl.store(matrix + rows[:, None] * stride_n + tl.arange(0, BLOCK_D)[None, :],
+                 tile.to(matrix.dtype.element_ty), mask=tile_mask(rows, N, HEAD_DIM, BLOCK_D))

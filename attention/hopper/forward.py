@@ -28,12 +28,9 @@ The TMA descriptors are built once per program, over the whole (B, H, N, D) tens
 addressed by its (batch, head, row) coordinates.
 
 flash_forward (triton_forward.py) sends a call here when serves() says so. That is only where
-this kernel measured faster than triton_forward.py's on the H200 (docs/optimisation.md, "Warp
-specialisation in Gluon"). It computes what _attn_fwd computes: O, and the logsumexp lse that
+this kernel measured faster than triton_forward.py's on the H200 (docs/optimisation.md). It computes what _attn_fwd computes: O, and the logsumexp lse that
 the backward reads.
 """
-import functools
-
 import torch
 import triton
 from triton.experimental import gluon
@@ -41,8 +38,10 @@ from triton.experimental.gluon import language as gl
 from triton.experimental.gluon.language.nvidia.hopper import (fence_async_shared, mbarrier, tma, warpgroup_mma,
                                                              warpgroup_mma_wait)
 
-from .triton_launch import INTERPRETING, CompiledLaunches, set_tma_scratch_allocator
-from .triton_tiles import LN_2, LOG2_E, key_tile_bounds, visible_in_tile
+from ..launch import set_tma_scratch_allocator
+from ..triton_tiles import LN_2, LOG2_E
+from .common import (hopper_entry, key_tile_counts, load_into_ring, ring_slot, sm_count, tensor_matrices, tma_store,
+                     visible)
 
 # The (head dim, causal) calls this kernel measured faster on, and its constants for each:
 # BLOCK_M query rows per softmax partition, BLOCK_N keys per tile, STAGES ring slots, and
@@ -57,45 +56,9 @@ MIN_KEYS = {(128, False): 256, (128, True): 256, (64, False): 256, (64, True): 1
 # Registers per thread: the softmax warpgroups need many, the loader few.
 REGISTERS = dict(SOFTMAX_REGISTERS=232, LOAD_REGISTERS=24)
 
-# The TMA copies are named async_copy_global_to_shared / async_copy_shared_to_global in Triton 3.6
-# and async_load / async_store in later releases.
-tma_load = getattr(tma, "async_load", None) or tma.async_copy_global_to_shared
-tma_store = getattr(tma, "async_store", None) or tma.async_copy_shared_to_global
-
-
-def serves(q, k, is_causal):
-    """Whether flash_forward runs this kernel (hopper_entry with this file's TILES and MIN_KEYS)."""
-    return hopper_entry(q, k, is_causal, TILES, MIN_KEYS)
-
-
-def hopper_entry(q, k, is_causal, tiles, min_keys):
-    """What both Gluon kernels ask of a call: 16-bit, a head dim and mask in tiles with its
-    min_keys keys or more, compiled (not interpreted) for a Hopper card."""
-    key = (q.shape[-1], is_causal)
-    return (q.dtype in (torch.bfloat16, torch.float16) and key in tiles and k.shape[2] >= min_keys[key]
-            and not INTERPRETING and is_hopper(q.device))
-
-
-@functools.cache
-def is_hopper(device):
-    """sm_90 exactly: wgmma, which the kernel is built on, is Hopper's alone."""
-    return device.type == "cuda" and torch.cuda.get_device_capability(device)[0] == 9
-
-
-@functools.cache
-def sm_count(device):
-    """The persistent grid's size: one program per SM."""
-    return torch.cuda.get_device_properties(device).multi_processor_count
-
-
-@gluon.jit
-def _tensor_matrices(T, B, H, N, stride_b, stride_h, stride_n, BLOCK: gl.constexpr, HEAD_DIM: gl.constexpr):
-    """A TMA descriptor of a (B, H, N, HEAD_DIM) tensor, read and written in (1, 1, BLOCK, HEAD_DIM)
-    tiles: the (N, HEAD_DIM) matrix of every batch-head at once. Rows past N read as zeros and
-    are dropped on a store."""
-    layout: gl.constexpr = gl.NVMMASharedLayout.get_default_for([1, 1, BLOCK, HEAD_DIM], T.dtype.element_ty)
-    return tma.make_tensor_descriptor(T, shape=[B, H, N, HEAD_DIM], strides=[stride_b, stride_h, stride_n, 1],
-                                      block_shape=[1, 1, BLOCK, HEAD_DIM], layout=layout)
+def serves(q, k, left, right):
+    """Whether flash_forward runs this kernel (common.hopper_entry with this file's TILES and MIN_KEYS)."""
+    return hopper_entry(q, k, left, right, TILES, MIN_KEYS)
 
 
 @gluon.jit
@@ -107,22 +70,6 @@ def _unit(unit, n_pairs, n_query_tiles, H, TILE_ROWS: gl.constexpr):
     bh = unit // n_pairs
     pair = unit % n_pairs
     return bh // H, bh % H, (n_query_tiles - 1 - pair) * TILE_ROWS, pair * TILE_ROWS
-
-
-@gluon.jit
-def _key_tile_counts(start_m, N_K, IS_CAUSAL: gl.constexpr, ROWS: gl.constexpr, BLOCK_N: gl.constexpr):
-    """triton_tiles.key_tile_bounds in tiles: of the key tiles the query tile of ROWS rows from
-    start_m visits, [0, n_unmasked) need no mask for any of its rows, [n_unmasked, n_tiles) do."""
-    unmasked_end, end = key_tile_bounds(start_m, N_K, IS_CAUSAL, ROWS, BLOCK_N)
-    return unmasked_end // BLOCK_N, gl.cdiv(end, BLOCK_N)
-
-
-@gluon.jit
-def _ring_slot(index, STAGES: gl.constexpr):
-    """Where a ring of STAGES slots keeps the program's tile number `index` (here K/V tiles;
-    gluon_backward.py's Q/dO tiles): slot index % STAGES, and the phase of that slot's
-    mbarriers for this tile (each slot serves every STAGES-th tile)."""
-    return index % STAGES, (index // STAGES) & 1
 
 
 @gluon.jit
@@ -138,23 +85,6 @@ def _q_buffer(tiles_done, half):
 # written in the warp_specialize call (_attn_fwd_warp_specialized).
 
 @gluon.jit
-def _load_into_ring(X, Y, x_bufs, y_bufs, x_ready, y_ready, empty, index, b, h, row):
-    """A loader's step in a ring of two tensors' tiles (here K and V; gluon_backward.py's Q and
-    dO): the program's tile number `index`, rows from `row` of batch-head (b, h) of X and of Y,
-    into ring slot index % STAGES once the consumers have let go of it (mbarrier empty), each
-    copy arriving on its own ready mbarrier."""
-    STAGES: gl.constexpr = x_bufs.shape[0]
-    slot, phase = _ring_slot(index, STAGES)
-    # An mbarrier's phase flips each time it completes; waiting on the phase before the first
-    # passes at once, so the first wait on an "empty" barrier does not block.
-    mbarrier.wait(empty.index(slot), phase ^ 1)
-    mbarrier.expect(x_ready.index(slot), X.block_type.nbytes)
-    tma_load(X, [b, h, row, 0], x_ready.index(slot), x_bufs.index(slot))
-    mbarrier.expect(y_ready.index(slot), Y.block_type.nbytes)
-    tma_load(Y, [b, h, row, 0], y_ready.index(slot), y_bufs.index(slot))
-
-
-@gluon.jit
 def _load_query_tile(Q, K, V, q_smem, k_bufs, v_bufs, q_ready, q_empty, k_ready, v_ready, kv_empty, b, h, start_m,
                      N_K, ring, tiles_done, IS_CAUSAL: gl.constexpr):
     """The loader's part of one query tile: its two halves of Q into the buffers of query tile
@@ -162,7 +92,7 @@ def _load_query_tile(Q, K, V, q_smem, k_bufs, v_bufs, q_ready, q_empty, k_ready,
     j's K and V into ring slot ring % STAGES."""
     BLOCK_M: gl.constexpr = q_smem.shape[3]
     BLOCK_N: gl.constexpr = k_bufs.shape[3]
-    _, n_tiles = _key_tile_counts(start_m, N_K, IS_CAUSAL, 2 * BLOCK_M, BLOCK_N)
+    _, n_tiles = key_tile_counts(start_m, N_K, IS_CAUSAL, 2 * BLOCK_M, BLOCK_N)
     for half in gl.static_range(2):
         q_buf, q_phase = _q_buffer(tiles_done, half)
         # The first wait on an "empty" barrier passes at once, as in _load_into_ring.
@@ -170,7 +100,7 @@ def _load_query_tile(Q, K, V, q_smem, k_bufs, v_bufs, q_ready, q_empty, k_ready,
         mbarrier.expect(q_ready.index(q_buf), Q.block_type.nbytes)
         tma_load(Q, [b, h, start_m + half * BLOCK_M, 0], q_ready.index(q_buf), q_smem.index(q_buf))
     for j in range(n_tiles):
-        _load_into_ring(K, V, k_bufs, v_bufs, k_ready, v_ready, kv_empty, ring, b, h, j * BLOCK_N)
+        load_into_ring(K, V, k_bufs, v_bufs, k_ready, v_ready, kv_empty, ring, b, h, j * BLOCK_N)
         ring += 1
     return ring, tiles_done + 1
 
@@ -196,7 +126,7 @@ def _issue_scores(q_tile, k_bufs, k_ready, index, no_scores):
     """Start S = Q K^T on the tensor cores for the key tile at ring position `index`, once its K
     has landed. The caller waits for it (warpgroup_mma_wait)."""
     STAGES: gl.constexpr = k_bufs.shape[0]
-    slot, phase = _ring_slot(index, STAGES)
+    slot, phase = ring_slot(index, STAGES)
     k_tile = k_bufs.index(slot).reshape([k_bufs.shape[3], k_bufs.shape[4]])
     mbarrier.wait(k_ready.index(slot), phase)
     return warpgroup_mma(q_tile, k_tile.permute((1, 0)), no_scores, use_acc=False, is_async=True)
@@ -206,7 +136,7 @@ def _issue_scores(q_tile, k_bufs, k_ready, index, no_scores):
 def _key_tiles(acc, l_i, m_i, s, q_tile, k_bufs, v_bufs, k_ready, v_ready, kv_empty, first, last, n_tiles, ring, rows,
                N_K, qk_scale, IS_CAUSAL: gl.constexpr, MASKED: gl.constexpr, SCORES_AHEAD: gl.constexpr,
                s_layout: gl.constexpr, o_layout: gl.constexpr):
-    """triton_forward._fwd_key_tiles with the ring: the online-softmax update over key tiles
+    """triton_forward._key_tiles with the ring: the online-softmax update over key tiles
     [first, last) of the query tile's n_tiles, tile j read from slot (ring + j) % STAGES and
     released once P V is done with it. A step waits for the tensor cores twice, for S_j and for
     P_j V_j. With SCORES_AHEAD it issues tile j + 1's scores right after P_j V_j and waits once
@@ -219,14 +149,14 @@ def _key_tiles(acc, l_i, m_i, s, q_tile, k_bufs, v_bufs, k_ready, v_ready, kv_em
     p_layout: gl.constexpr = gl.DotOperandLayout(operand_index=0, parent=o_layout, k_width=2)
     no_scores = gl.zeros([BLOCK_M, BLOCK_N], gl.float32, s_layout)
     for j in range(first, last):
-        slot, phase = _ring_slot(ring + j, STAGES)
+        slot, phase = ring_slot(ring + j, STAGES)
         v_tile = v_bufs.index(slot).reshape([BLOCK_N, HEAD_DIM])
         if not SCORES_AHEAD:
             s = _issue_scores(q_tile, k_bufs, k_ready, ring + j, no_scores)
             s = warpgroup_mma_wait(num_outstanding=0, deps=(s,))
         if MASKED:  # keys past N_K, and after the row's own when causal
             cols = j * BLOCK_N + gl.arange(0, BLOCK_N, layout=gl.SliceLayout(0, s_layout))
-            s = gl.where(visible_in_tile(rows[:, None], cols[None, :], N_K, IS_CAUSAL), s, float("-inf"))
+            s = gl.where(visible(rows[:, None], cols[None, :], N_K, IS_CAUSAL), s, float("-inf"))
         m_new = gl.maximum(m_i, gl.max(s, 1) * qk_scale)  # running max of base-2 logits
         p = gl.exp2(s * qk_scale - m_new[:, None])
         alpha = gl.exp2(m_i - m_new)
@@ -258,7 +188,7 @@ def _softmax_query_tile(O, LSE, q_smem, o_smem, k_bufs, v_bufs, q_ready, q_empty
                                                        instr_shape=[16, BLOCK_N, 16])
     o_layout: gl.constexpr = gl.NVMMADistributedLayout(version=[3, 0], warps_per_cta=[4, 1],
                                                        instr_shape=[16, HEAD_DIM, 16])
-    n_unmasked, n_tiles = _key_tile_counts(start_m, N_K, IS_CAUSAL, 2 * BLOCK_M, BLOCK_N)
+    n_unmasked, n_tiles = key_tile_counts(start_m, N_K, IS_CAUSAL, 2 * BLOCK_M, BLOCK_N)
     row_start = start_m + HALF * BLOCK_M
     rows = row_start + gl.arange(0, BLOCK_M, layout=gl.SliceLayout(1, s_layout))
     m_i = gl.full([BLOCK_M], float("-inf"), gl.float32, gl.SliceLayout(1, s_layout))
@@ -318,10 +248,10 @@ def _attn_fwd_warp_specialized(Q, K, V, O, LSE,
                                IS_CAUSAL: gl.constexpr, HEAD_DIM: gl.constexpr, BLOCK_M: gl.constexpr,
                                BLOCK_N: gl.constexpr, STAGES: gl.constexpr, SCORES_AHEAD: gl.constexpr,
                                SOFTMAX_REGISTERS: gl.constexpr, LOAD_REGISTERS: gl.constexpr):
-    q_matrices = _tensor_matrices(Q, B, H, N_Q, stride_qb, stride_qh, stride_qn, BLOCK_M, HEAD_DIM)
-    k_matrices = _tensor_matrices(K, B, H, N_K, stride_kb, stride_kh, stride_kn, BLOCK_N, HEAD_DIM)
-    v_matrices = _tensor_matrices(V, B, H, N_K, stride_vb, stride_vh, stride_vn, BLOCK_N, HEAD_DIM)
-    o_matrices = _tensor_matrices(O, B, H, N_Q, stride_ob, stride_oh, stride_on, BLOCK_M, HEAD_DIM)
+    q_matrices = tensor_matrices(Q, B, H, N_Q, stride_qb, stride_qh, stride_qn, BLOCK_M, HEAD_DIM)
+    k_matrices = tensor_matrices(K, B, H, N_K, stride_kb, stride_kh, stride_kn, BLOCK_N, HEAD_DIM)
+    v_matrices = tensor_matrices(V, B, H, N_K, stride_vb, stride_vh, stride_vn, BLOCK_N, HEAD_DIM)
+    o_matrices = tensor_matrices(O, B, H, N_Q, stride_ob, stride_oh, stride_on, BLOCK_M, HEAD_DIM)
     n_query_tiles = gl.cdiv(N_Q, 2 * BLOCK_M)
     n_pairs = gl.cdiv(n_query_tiles, 2)
     n_units = B * H * n_pairs
@@ -361,11 +291,7 @@ def _attn_fwd_warp_specialized(Q, K, V, O, LSE,
     ], [4, 1], [SOFTMAX_REGISTERS, LOAD_REGISTERS])
 
 
-# Launched through the compiled kernel, as TunedKernel launches triton_forward.py's (CompiledLaunches).
-_forward_launches = CompiledLaunches(_attn_fwd_warp_specialized)
-
-
-def gluon_forward(q, k, v, o, lse, is_causal):
+def launch(q, k, v, o, lse, is_causal):
     """flash_forward's contract: q, k, v (B, H, N, D) descriptor-ready views; writes O into o
     (descriptor-ready) and lse into lse (B, H, N_q) float32 contiguous."""
     B, H, N_Q, D = q.shape
@@ -373,6 +299,6 @@ def gluon_forward(q, k, v, o, lse, is_causal):
     set_tma_scratch_allocator()
     units = B * H * triton.cdiv(triton.cdiv(N_Q, 2 * tiles["BLOCK_M"]), 2)
     grid = (min(units, sm_count(q.device)),)
-    _forward_launches(grid, q.dtype, (q, k, v, o, lse, *q.stride()[:3], *k.stride()[:3], *v.stride()[:3],
-                                      *o.stride()[:3], B, H, N_Q, k.shape[2], D ** -0.5 * LOG2_E),
-                      dict(IS_CAUSAL=is_causal, HEAD_DIM=D, **tiles, **REGISTERS, num_warps=4))
+    _attn_fwd_warp_specialized[grid](q, k, v, o, lse, *q.stride()[:3], *k.stride()[:3], *v.stride()[:3],
+                                     *o.stride()[:3], B, H, N_Q, k.shape[2], D ** -0.5 * LOG2_E.value,
+                                     IS_CAUSAL=is_causal, HEAD_DIM=D, **tiles, **REGISTERS, num_warps=4)

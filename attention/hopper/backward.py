@@ -25,13 +25,12 @@ share of dQ, five multiplies, and adds that share into a float32 dQ in global me
 - Each warpgroup's dQ half goes through shared memory to TMA's reduce-add
   (cp.reduce.async.bulk.tensor .add), which adds it into dQ in float32 in the memory system;
   the warpgroup goes on with the next query tile meanwhile, into the other of its two staging
-  buffers. gluon_backward() zeroes that dQ before and casts it to q's dtype after: a float32
+  buffers. launch() zeroes that dQ before and casts it to q's dtype after: a float32
   copy of dQ, twice q's bytes, is this kernel's extra memory.
 - At the end dK (times sm_scale) and dV leave through TMA, staged in the K and V buffers.
 
 Why the last query tile first: at head dim 128 it measured faster than the ascending order,
-most of all causal, and a few percent slower at 64 (docs/optimisation.md, "Session 26: the
-backward's query tiles last first"). Every key tile sees the last query tile, causal too, so
+most of all causal, and a few percent slower at 64 (docs/optimisation.md). Every key tile sees the last query tile, causal too, so
 one head's programs, which the GPU runs side by side, start on the same Q, dO and dQ rows and
 walk down together; ascending, causal programs start each at its own diagonal. At head dim 128
 this order also compiles to fewer spilled registers. The diagonal's masked tiles come last.
@@ -41,7 +40,7 @@ a float32 dQ for every query it sees. The reduces land in any order, so unlike
 triton_backward.py, two runs can differ in dQ's last bits (torch.use_deterministic_algorithms
 keeps the split). flash_backward (triton_backward.py)
 sends a call here where serves() says so: where this kernel measured faster than the split
-(docs/optimisation.md, "Session 25: the backward in Gluon, dQ by TMA's reduce").
+(docs/optimisation.md).
 """
 import torch
 import triton
@@ -52,9 +51,10 @@ from triton.experimental.gluon.language._core import builtin
 from triton.experimental.gluon.language.nvidia.hopper import (fence_async_shared, mbarrier, tma, warpgroup_mma,
                                                              warpgroup_mma_wait)
 
-from .gluon_forward import _load_into_ring, _ring_slot, _tensor_matrices, hopper_entry, tma_load, tma_store
-from .triton_launch import GRID_Y_LIMIT, CompiledLaunches, set_tma_scratch_allocator
-from .triton_tiles import LOG2_E, query_tile_bounds
+from ..launch import GRID_Y_LIMIT, set_tma_scratch_allocator
+from ..triton_tiles import LOG2_E
+from .common import (hopper_entry, load_into_ring, query_tile_counts, ring_slot, tensor_matrices, tma_load,
+                     tma_store)
 
 # The (head dim, causal) calls this kernel measured faster on, and its constants for each:
 # BLOCK_N keys per MMA warpgroup (the program's key tile is twice that), BLOCK_M query rows per
@@ -68,8 +68,6 @@ TILES = {(64, False): dict(BLOCK_M=64, BLOCK_N=64, STAGES=2),
 MIN_KEYS = {(64, False): 4096, (64, True): 4096, (128, False): 2048, (128, True): 4096}
 # Registers per thread: the MMA warpgroups hold dK and dV (128 at head dim 128), the loader few.
 REGISTERS = dict(MMA_REGISTERS=240, LOAD_REGISTERS=24)
-
-KERNEL_LOG2_E = gl.constexpr(LOG2_E)  # lse comes in natural log; the scores run in base 2
 
 
 @builtin
@@ -85,27 +83,13 @@ tma_reduce_add = getattr(tma, "async_atomic_add", None) or _tma_reduce_add_trito
 warpgroup_barrier = getattr(gl, "barrier", None) or gl.thread_barrier
 
 
-def serves(q, k, is_causal):
-    """Whether flash_backward runs this kernel: gluon_forward.hopper_entry with this file's TILES
-    and MIN_KEYS, the batch-heads within the grid's y dimension, and determinism not asked for:
-    its reduces land in any order, so under torch.use_deterministic_algorithms(True) the split
-    runs instead."""
-    return (hopper_entry(q, k, is_causal, TILES, MIN_KEYS) and q.shape[0] * q.shape[1] <= GRID_Y_LIMIT
+def serves(q, k, left, right):
+    """Whether flash_backward runs this kernel: common.hopper_entry with this file's TILES and
+    MIN_KEYS, the batch-heads within the grid's y dimension, and determinism not asked for: its
+    reduces land in any order, so under torch.use_deterministic_algorithms(True) the split runs
+    instead."""
+    return (hopper_entry(q, k, left, right, TILES, MIN_KEYS) and q.shape[0] * q.shape[1] <= GRID_Y_LIMIT
             and not torch.are_deterministic_algorithms_enabled())
-
-
-@gluon.jit
-def _query_tile_counts(start_n, N_Q, IS_CAUSAL: gl.constexpr, BLOCK_M: gl.constexpr, KEY_ROWS: gl.constexpr):
-    """triton_tiles.query_tile_bounds in tiles: the key tile of KEY_ROWS keys from start_n is
-    seen by query tiles [first, last), of which [first, unmasked) cross the diagonal (causal).
-    first <= unmasked <= last always: causal, a key tile past the last query gets first = last,
-    no tiles, which the partitions' mbarrier phases count on (_mma_partition's last wait)."""
-    start_m, unmasked_start = query_tile_bounds(start_n, N_Q, IS_CAUSAL, BLOCK_M, KEY_ROWS)
-    last = gl.cdiv(N_Q, BLOCK_M)
-    first = start_m // BLOCK_M
-    if IS_CAUSAL:
-        first = gl.minimum(first, last)
-    return first, unmasked_start // BLOCK_M, last
 
 
 # Each partition reads its tile sizes off the shapes of its shared-memory buffers; its other
@@ -129,9 +113,9 @@ def _load_partition(Q, K, V, dO, k_smem, v_smem, q_bufs, do_bufs, k_ready, v_rea
         mbarrier.expect(v_ready.index(half), V.block_type.nbytes)
         tma_load(V, [b, h, start_n + half * BLOCK_N, 0], v_ready.index(half),
                  v_smem.slice(half * BLOCK_N, BLOCK_N, dim=2))
-    first, _, last = _query_tile_counts(start_n, N_Q, IS_CAUSAL, BLOCK_M, 2 * BLOCK_N)
+    first, _, last = query_tile_counts(start_n, N_Q, IS_CAUSAL, BLOCK_M, 2 * BLOCK_N)
     for i in range(0, last - first):
-        _load_into_ring(Q, dO, q_bufs, do_bufs, q_ready, do_ready, qdo_empty, i, b, h, (last - 1 - i) * BLOCK_M)
+        load_into_ring(Q, dO, q_bufs, do_bufs, q_ready, do_ready, qdo_empty, i, b, h, (last - 1 - i) * BLOCK_M)
 
 
 @gluon.jit
@@ -155,7 +139,7 @@ def _query_tiles(dk, dv, k_tile, v_tile, k_cols, q_bufs, do_bufs, ds_smem, dq_sm
     for t in range(0, end - begin):
         m = end - 1 - t
         i = i_begin + t
-        slot, phase = _ring_slot(i, STAGES)
+        slot, phase = ring_slot(i, STAGES)
         q_tile = q_bufs.index(slot).reshape([BLOCK_M, HEAD_DIM])
         do_tile = do_bufs.index(slot).reshape([BLOCK_M, HEAD_DIM])
         # lse and delta of the tile's rows, loaded early, one a thread: along S^T's columns they
@@ -170,7 +154,7 @@ def _query_tiles(dk, dv, k_tile, v_tile, k_cols, q_bufs, do_bufs, ds_smem, dq_sm
         mbarrier.wait(do_ready.index(slot), phase)
         dp_t = warpgroup_mma(v_tile, do_tile.permute((1, 0)), no_scores, use_acc=False, is_async=True)
         s_t = warpgroup_mma_wait(num_outstanding=1, deps=(s_t,))  # they retire in order: S^T is done
-        lse = gl.convert_layout(lse_rows, gl.SliceLayout(0, s_layout)) * KERNEL_LOG2_E
+        lse = gl.convert_layout(lse_rows, gl.SliceLayout(0, s_layout)) * LOG2_E
         p_t = gl.exp2(s_t * qk_scale - lse[None, :])
         if MASKED:  # causal, a tile that crosses the diagonal: row i sees key j iff j <= i
             cols = m * BLOCK_M + gl.arange(0, BLOCK_M, layout=gl.SliceLayout(0, s_layout))
@@ -228,7 +212,7 @@ def _mma_partition(dK, dV, LSE, DQ, DELTA, k_smem, v_smem, q_bufs, do_bufs, ds_s
     k_tile = k_all.slice(HALF * BLOCK_N, BLOCK_N, dim=0)
     v_tile = v_smem.reshape([2 * BLOCK_N, HEAD_DIM]).slice(HALF * BLOCK_N, BLOCK_N, dim=0)
     k_cols = k_all.slice(HALF * (HEAD_DIM // 2), HEAD_DIM // 2, dim=1)  # dQ's product: both halves' keys
-    first, unmasked, last = _query_tile_counts(start_n, N_Q, IS_CAUSAL, BLOCK_M, 2 * BLOCK_N)
+    first, unmasked, last = query_tile_counts(start_n, N_Q, IS_CAUSAL, BLOCK_M, 2 * BLOCK_N)
     dk = gl.zeros([BLOCK_N, HEAD_DIM], gl.float32, acc_layout)
     dv = gl.zeros([BLOCK_N, HEAD_DIM], gl.float32, acc_layout)
     mbarrier.wait(k_ready.index(0), 0)  # each is used once: phase 0
@@ -262,12 +246,12 @@ def _attn_bwd_warp_specialized(Q, K, V, dO, dK, dV, LSE, DELTA, DQ,
                                IS_CAUSAL: gl.constexpr, HEAD_DIM: gl.constexpr, BLOCK_M: gl.constexpr,
                                BLOCK_N: gl.constexpr, STAGES: gl.constexpr, MMA_REGISTERS: gl.constexpr,
                                LOAD_REGISTERS: gl.constexpr):
-    q_matrices = _tensor_matrices(Q, B, H, N_Q, stride_qb, stride_qh, stride_qn, BLOCK_M, HEAD_DIM)
-    do_matrices = _tensor_matrices(dO, B, H, N_Q, stride_dob, stride_doh, stride_don, BLOCK_M, HEAD_DIM)
-    k_matrices = _tensor_matrices(K, B, H, N_K, stride_kb, stride_kh, stride_kn, BLOCK_N, HEAD_DIM)
-    v_matrices = _tensor_matrices(V, B, H, N_K, stride_vb, stride_vh, stride_vn, BLOCK_N, HEAD_DIM)
-    dk_matrices = _tensor_matrices(dK, B, H, N_K, stride_dkb, stride_dkh, stride_dkn, BLOCK_N, HEAD_DIM)
-    dv_matrices = _tensor_matrices(dV, B, H, N_K, stride_dvb, stride_dvh, stride_dvn, BLOCK_N, HEAD_DIM)
+    q_matrices = tensor_matrices(Q, B, H, N_Q, stride_qb, stride_qh, stride_qn, BLOCK_M, HEAD_DIM)
+    do_matrices = tensor_matrices(dO, B, H, N_Q, stride_dob, stride_doh, stride_don, BLOCK_M, HEAD_DIM)
+    k_matrices = tensor_matrices(K, B, H, N_K, stride_kb, stride_kh, stride_kn, BLOCK_N, HEAD_DIM)
+    v_matrices = tensor_matrices(V, B, H, N_K, stride_vb, stride_vh, stride_vn, BLOCK_N, HEAD_DIM)
+    dk_matrices = tensor_matrices(dK, B, H, N_K, stride_dkb, stride_dkh, stride_dkn, BLOCK_N, HEAD_DIM)
+    dv_matrices = tensor_matrices(dV, B, H, N_K, stride_dvb, stride_dvh, stride_dvn, BLOCK_N, HEAD_DIM)
     # dQ (float32) is reduced into in tiles of a warpgroup's half of its columns.
     dq_smem_layout: gl.constexpr = gl.NVMMASharedLayout.get_default_for([1, 1, BLOCK_M, HEAD_DIM // 2], gl.float32)
     dq_matrices = tma.make_tensor_descriptor(DQ, shape=[B, H, N_Q, HEAD_DIM],
@@ -302,7 +286,7 @@ def _attn_bwd_warp_specialized(Q, K, V, dO, dK, dV, LSE, DELTA, DQ,
     mbarrier.init(ds_free.index(0), count=2)
 
     # The argument tuples are written in the call, so their constants stay compile-time
-    # (gluon_forward._attn_fwd_warp_specialized says why).
+    # (forward._attn_fwd_warp_specialized says why).
     gl.warp_specialize([
         (_mma_partition, (dk_matrices, dv_matrices, LSE, dq_matrices, DELTA, k_smem, v_smem, q_bufs, do_bufs, ds_smem,
                           dq_smem, k_ready, v_ready, q_ready, do_ready, qdo_empty, ds_ready, ds_free, H, N_Q,
@@ -315,11 +299,7 @@ def _attn_bwd_warp_specialized(Q, K, V, dO, dK, dV, LSE, DELTA, DQ,
     ], [4, 1], [MMA_REGISTERS, LOAD_REGISTERS])
 
 
-# Launched through the compiled kernel, as TunedKernel launches triton_backward.py's (CompiledLaunches).
-_backward_launches = CompiledLaunches(_attn_bwd_warp_specialized)
-
-
-def gluon_backward(q, k, v, do, lse, delta, is_causal, dq, dk, dv):
+def launch(q, k, v, do, lse, delta, is_causal, dq, dk, dv):
     """flash_backward's contract, given delta = rowsum(dO * O): q, k, v, do, dk, dv (B, H, N, D)
     descriptor-ready views, lse and delta (B, H, N_q) float32 contiguous. Writes dk and dv, and
     dq (any strides) from a float32 dQ the kernel reduces into."""
@@ -330,8 +310,8 @@ def gluon_backward(q, k, v, do, lse, delta, is_causal, dq, dk, dv):
     set_tma_scratch_allocator()
     grid = (triton.cdiv(N_K, 2 * tiles["BLOCK_N"]), B * H)
     sm_scale = D ** -0.5
-    _backward_launches(grid, q.dtype, (q, k, v, do, dk, dv, lse, delta, dq_sum, *q.stride()[:3], *k.stride()[:3],
-                                       *v.stride()[:3], *do.stride()[:3], *dk.stride()[:3], *dv.stride()[:3],
-                                       *dq_sum.stride()[:3], B, H, N_Q, N_K, sm_scale * LOG2_E, sm_scale),
-                       dict(IS_CAUSAL=is_causal, HEAD_DIM=D, **tiles, **REGISTERS, num_warps=4))
+    _attn_bwd_warp_specialized[grid](q, k, v, do, dk, dv, lse, delta, dq_sum, *q.stride()[:3], *k.stride()[:3],
+                                     *v.stride()[:3], *do.stride()[:3], *dk.stride()[:3], *dv.stride()[:3],
+                                     *dq_sum.stride()[:3], B, H, N_Q, N_K, sm_scale * LOG2_E.value, sm_scale,
+                                     IS_CAUSAL=is_causal, HEAD_DIM=D, **tiles, **REGISTERS, num_warps=4)
     dq.copy_(dq_sum)

@@ -1,0 +1,114 @@
+"""What the two Hopper kernels share: when they serve a call, their TMA descriptors over whole
+(B, H, N, D) tensors, the ring of shared-memory slots a loader fills, and the causal tile rules
+in Gluon (tile_bounds.py's, for the two masks these kernels take: causal and none)."""
+import functools
+
+import torch
+from triton.experimental import gluon
+from triton.experimental.gluon import language as gl
+from triton.experimental.gluon.language.nvidia.hopper import mbarrier, tma
+
+from ..eager import UNBOUNDED
+from ..launch import ADA_PATH, INTERPRETING
+
+# The TMA copies are named async_copy_global_to_shared / async_copy_shared_to_global in Triton 3.6
+# and async_load / async_store in later releases.
+tma_load = getattr(tma, "async_load", None) or tma.async_copy_global_to_shared
+tma_store = getattr(tma, "async_store", None) or tma.async_copy_shared_to_global
+
+
+def hopper_entry(q, k, left, right, tiles, min_keys):
+    """What both Gluon kernels ask of a call: 16-bit, one kv head per query head, a causal mask
+    or none (no window), a head dim and mask in tiles with its min_keys keys or more, compiled
+    (not interpreted) for a Hopper card, and not the consumer-card path. The rest goes to the
+    plain Triton kernels."""
+    if left != UNBOUNDED or right not in (0, UNBOUNDED) or q.shape[1] != k.shape[1]:
+        return False
+    key = (q.shape[-1], right == 0)
+    return (q.dtype in (torch.bfloat16, torch.float16) and key in tiles and k.shape[2] >= min_keys[key]
+            and not INTERPRETING and not ADA_PATH and is_hopper(q.device))
+
+
+@functools.cache
+def is_hopper(device):
+    """sm_90 exactly: wgmma, which the kernels are built on, is Hopper's alone."""
+    return device.type == "cuda" and torch.cuda.get_device_capability(device)[0] == 9
+
+
+@functools.cache
+def sm_count(device):
+    """The persistent grid's size: one program per SM."""
+    return torch.cuda.get_device_properties(device).multi_processor_count
+
+
+@gluon.jit
+def tensor_matrices(T, B, H, N, stride_b, stride_h, stride_n, BLOCK: gl.constexpr, HEAD_DIM: gl.constexpr):
+    """A TMA descriptor of a (B, H, N, HEAD_DIM) tensor, read and written in (1, 1, BLOCK, HEAD_DIM)
+    tiles: the (N, HEAD_DIM) matrix of every batch-head at once. Rows past N read as zeros and
+    are dropped on a store."""
+    layout: gl.constexpr = gl.NVMMASharedLayout.get_default_for([1, 1, BLOCK, HEAD_DIM], T.dtype.element_ty)
+    return tma.make_tensor_descriptor(T, shape=[B, H, N, HEAD_DIM], strides=[stride_b, stride_h, stride_n, 1],
+                                      block_shape=[1, 1, BLOCK, HEAD_DIM], layout=layout)
+
+
+@gluon.jit
+def key_tile_counts(start_m, N_K, IS_CAUSAL: gl.constexpr, ROWS: gl.constexpr, BLOCK_N: gl.constexpr):
+    """tile_bounds.key_tile_bounds in tiles, causal or not: of the key tiles the query tile of
+    ROWS rows from start_m visits, [0, n_full) need no mask for any of its rows, [n_full,
+    n_tiles) do (the diagonal, the end of the keys)."""
+    n_full = N_K // BLOCK_N
+    end = N_K
+    if IS_CAUSAL:
+        n_full = gl.minimum(n_full, (start_m + 1) // BLOCK_N)
+        end = gl.minimum(start_m + ROWS, N_K)
+    return n_full, gl.cdiv(end, BLOCK_N)
+
+
+@gluon.jit
+def query_tile_counts(start_n, N_Q, IS_CAUSAL: gl.constexpr, BLOCK_M: gl.constexpr, KEY_ROWS: gl.constexpr):
+    """tile_bounds.query_tile_bounds in tiles, causal or not: the key tile of KEY_ROWS keys from
+    start_n is seen by query tiles [first, last), of which [first, masked_end) cross the
+    diagonal. first <= masked_end <= last always: causal, a key tile past the last query gets
+    first = last, no tiles, which the backward's mbarrier phases count on."""
+    last = gl.cdiv(N_Q, BLOCK_M)
+    first = 0
+    masked_end = 0
+    if IS_CAUSAL:
+        first = gl.minimum(start_n // BLOCK_M, last)
+        masked_end = gl.minimum(gl.cdiv(start_n + KEY_ROWS - 1, BLOCK_M), last)
+    return first, masked_end, last
+
+
+@gluon.jit
+def visible(rows, cols, N_K, IS_CAUSAL: gl.constexpr):
+    """tile_bounds.visible_in_tile for the two masks: the key lies before N_K and, causal, not
+    after the query."""
+    seen = cols < N_K
+    if IS_CAUSAL:
+        seen = seen & (cols <= rows)
+    return seen
+
+
+@gluon.jit
+def ring_slot(index, STAGES: gl.constexpr):
+    """Where a ring of STAGES slots keeps the program's tile number `index` (the forward's K/V
+    tiles, the backward's Q/dO tiles): slot index % STAGES, and the phase of that slot's
+    mbarriers for this tile (each slot serves every STAGES-th tile)."""
+    return index % STAGES, (index // STAGES) & 1
+
+
+@gluon.jit
+def load_into_ring(X, Y, x_bufs, y_bufs, x_ready, y_ready, empty, index, b, h, row):
+    """A loader's step in a ring of two tensors' tiles (the forward's K and V, the backward's Q
+    and dO): the program's tile number `index`, rows from `row` of batch-head (b, h) of X and of
+    Y, into ring slot index % STAGES once the consumers have let go of it (mbarrier empty), each
+    copy arriving on its own ready mbarrier."""
+    STAGES: gl.constexpr = x_bufs.shape[0]
+    slot, phase = ring_slot(index, STAGES)
+    # An mbarrier's phase flips each time it completes; waiting on the phase before the first
+    # passes at once, so the first wait on an "empty" barrier does not block.
+    mbarrier.wait(empty.index(slot), phase ^ 1)
+    mbarrier.expect(x_ready.index(slot), X.block_type.nbytes)
+    tma_load(X, [b, h, row, 0], x_ready.index(slot), x_bufs.index(slot))
+    mbarrier.expect(y_ready.index(slot), Y.block_type.nbytes)
+    tma_load(Y, [b, h, row, 0], y_ready.index(slot), y_bufs.index(slot))

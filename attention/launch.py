@@ -1,0 +1,189 @@
+"""How the host launches the Triton kernels: the layouts they take, the device check, which
+card path runs (the consumer-card switch), and the tile configs that fit a card, tuned by
+triton.autotune. What runs inside the kernels is triton_tiles.py, triton_forward.py and
+triton_backward.py.
+
+The consumer-card path. NANOFA2_ADA=1 runs, on any card, the path an RTX 4070 Super (Ada,
+sm_89) takes: no Hopper kernels (hopper/), no TMA configs, shared memory capped at Ada's 99 KB
+per block, and Triton's Ampere-class tensor-core instructions (mma.sync; attention/__init__.py
+sets DISABLE_MMA_V3=1 before Triton loads). On an H200 that is the nearest we can come to the
+card: the H200 still fits two 99 KB blocks on an SM where Ada fits one, its bandwidth and
+clocks differ, and GeForce cards run fp32-accumulating MMA at half their fp16-accumulating
+rate, which the H200 does not.
+"""
+import functools
+import os
+import sys
+import warnings
+
+import torch
+import triton
+
+INTERPRETING = os.environ.get("TRITON_INTERPRET") == "1"
+ADA_PATH = os.environ.get("NANOFA2_ADA") == "1"
+
+# Shared memory of the target card, the RTX 4070 Super (sm_89): 99 KB per block. Every config the
+# code can pick on such a card must fit it; tests/test_triton_configs.py compiles each for sm_89.
+ADA_SHARED_MEMORY_BYTES = 101376
+# Shared memory the compiler adds beyond the tiles (barriers, layout-conversion scratch): twice
+# the most tests/test_triton_configs.py has seen.
+SHARED_MEMORY_SLACK_BYTES = 8192
+# The L2 cache of the target card: what the interpreter assumes (heads_first).
+ADA_L2_BYTES = 48 * 2 ** 20
+GRID_Y_LIMIT = 65535  # CUDA's limit on a grid's y dimension (x takes up to 2**31 - 1)
+TIMED_CONFIGS = 3  # a kernel's configs are listed best first; the tuner times the first few that fit
+
+
+def as_4d(t):
+    """(..., H, N, D) -> a (B, H, N, D) view (a copy only when the leading dims cannot be viewed)."""
+    if t.dim() == 4:
+        return t
+    if t.dim() < 4:
+        return t.reshape((1,) * (4 - t.dim()) + t.shape)
+    return t.reshape(-1, *t.shape[-3:])
+
+
+def dense_strides(t):
+    """The strides of a new dense tensor shaped like t whose dims lie in memory in t's order (as
+    torch.empty_like lays out a strided t): for the model's (B, H, N, D) views of a fused (B, N,
+    H + 2 * H_kv, D) projection, (B, N, H, D) order, so O goes back to (B, N, H * D) with no copy.
+    Contiguous strides when that order has no unit stride along the last dim."""
+    order = sorted(range(t.dim()), key=t.stride, reverse=True)  # outermost first; a stable sort keeps ties
+    if order[-1] != t.dim() - 1:
+        order = range(t.dim())
+    strides, step = [0] * t.dim(), 1
+    for dim in reversed(order):
+        strides[dim], step = step, step * t.shape[dim]
+    return tuple(strides)
+
+
+def new_like(t, dtype=None):
+    """An empty tensor shaped like t, in t's memory order (dense_strides)."""
+    return torch.empty_strided(t.shape, dense_strides(t), dtype=dtype or t.dtype, device=t.device)
+
+
+def descriptor_ready(t):
+    """t as a (B, H, N, D) view the kernels can read (TMA too): a 16-byte aligned base, unit
+    stride along D and 16-byte aligned other strides. The model's q, k, v views always qualify;
+    anything else (an odd slice, an expanded gradient) is copied once."""
+    t4 = as_4d(t)
+    elem = t4.element_size()
+    describable = (t4.data_ptr() % 16 == 0 and t4.stride(-1) == 1 and t4.stride(2) > 0
+                   and all(s * elem % 16 == 0 for s in t4.stride()[:-1]))
+    return t4 if describable else t4.clone(memory_format=torch.contiguous_format)
+
+
+def head_dim_block(head_dim):
+    """The head dim padded to a power of two, at least 16 (the smallest tl.dot takes)."""
+    return max(16, triton.next_power_of_2(head_dim))
+
+
+def check_kernel_device(t):
+    """CPU tensors run through the interpreter (with a warning); that needs the interpreter on."""
+    if t.device.type == "cpu":
+        if not INTERPRETING:
+            raise ValueError("q is a CPU tensor but the Triton kernels were compiled for the GPU; set "
+                             "TRITON_INTERPRET=1 before importing attention to run them on the CPU")
+        warnings.warn("Triton attention on CPU runs through the Triton interpreter: correct but slow",
+                      stacklevel=_caller_stacklevel())
+
+
+# Frames a warning should not be attributed to: torch, triton, this package, and the code
+# torch.compile generates (file names like "<eval_with_key>").
+_LIBRARY_DIRS = tuple(os.path.dirname(path) + os.sep for path in (torch.__file__, triton.__file__, __file__))
+
+
+def _caller_stacklevel():
+    """warnings.warn's stacklevel for the innermost frame of the code that called attention."""
+    frame, level = sys._getframe(1), 1
+    while frame.f_back is not None and frame.f_code.co_filename.startswith((*_LIBRARY_DIRS, "<")):
+        frame, level = frame.f_back, level + 1
+    return level
+
+
+def has_tma(device):
+    """Hopper (sm_90) and newer copy tiles with the TMA engine; older cards, and the consumer-card
+    path, use cp.async."""
+    return device.type == "cuda" and not ADA_PATH and torch.cuda.get_device_capability(device)[0] >= 9
+
+
+def set_tma_scratch_allocator():
+    """The kernels build TMA descriptors on the device, in a little global scratch memory Triton
+    asks for at each launch. Its allocator is a context variable, so set it per launch."""
+    triton.set_allocator(lambda size, alignment, stream: torch.empty(size, dtype=torch.int8, device="cuda"))
+
+
+@functools.cache
+def shared_memory_limit(device):
+    if INTERPRETING or device.type != "cuda":
+        return ADA_SHARED_MEMORY_BYTES
+    card = triton.runtime.driver.active.utils.get_device_properties(device.index)["max_shared_mem"]
+    return min(card, ADA_SHARED_MEMORY_BYTES) if ADA_PATH else card
+
+
+@functools.cache
+def l2_bytes(device):
+    return ADA_L2_BYTES if device.type != "cuda" else torch.cuda.get_device_properties(device).L2_cache_size
+
+
+def heads_first(k, n_heads):
+    """Whether the kernels' grid puts the heads along x (triton_tiles.program_tile_and_head), so
+    that the longest tiles of every head start first: when the keys and values of all heads,
+    which every program streams, fit in half the L2. That is the model's case, where a grid is
+    one or two waves of programs. Beyond that (the paper's shapes), programs of many heads at
+    once evict each other's tiles, and one head's tiles together are faster. Also whenever the
+    heads (n_heads: the grid's count of them) exceed what the grid's y dimension holds."""
+    return 2 * k.numel() * k.element_size() <= l2_bytes(k.device) // 2 or n_heads > GRID_Y_LIMIT
+
+
+def program_grid(tiles, heads, heads_first):
+    return (heads, tiles) if heads_first else (tiles, heads)
+
+
+def shared_memory_bytes(config, smem_rows, head_dim, element_size):
+    """Shared memory a config needs. smem_rows(config) -> [(resident, streamed), ...], one pair
+    per job a program of the kernel may do: how many rows of BLOCK_D it keeps for its whole life,
+    and how many each pipeline stage holds. TMA keeps num_stages stages in flight; cp.async
+    num_stages - 1 (the stage being computed on has moved to registers)."""
+    stages = config.num_stages if config.kwargs["USE_TMA"] else config.num_stages - 1
+    rows = max(resident + stages * streamed for resident, streamed in smem_rows(config))
+    return element_size * head_dim_block(head_dim) * rows + SHARED_MEMORY_SLACK_BYTES
+
+
+def fitting_configs(configs, smem_rows, tensor, head_dim, n_q, n_k):
+    """The configs a kernel may run with on tensor's card, best first: no TMA configs where the
+    card has none or the head dim is padded (a TMA box would be wider than the matrix), none whose
+    tiles do not fit its shared memory, none whose tiles are longer than the sequences (they
+    would time mostly padding). At least the smallest config is always kept."""
+    if (not has_tma(tensor.device) and not INTERPRETING) or head_dim_block(head_dim) != head_dim:
+        configs = [c for c in configs if not c.kwargs["USE_TMA"]]
+    footprint = lambda c: shared_memory_bytes(c, smem_rows, head_dim, tensor.element_size())
+    fits = [c for c in configs if footprint(c) <= shared_memory_limit(tensor.device)] or [min(configs, key=footprint)]
+    short = [c for c in fits if c.kwargs["BLOCK_M"] <= max(n_q, 16) and c.kwargs["BLOCK_N"] <= max(n_k, 16)]
+    return short or [min(fits, key=lambda c: c.kwargs["BLOCK_M"] * c.kwargs["BLOCK_N"])]
+
+
+def autotuned(configs, smem_rows, key, tensor_arg="Q", rows_args=("N_Q", "N_K")):
+    """triton.autotune over configs (best first), keyed on key (argument names; Triton adds the
+    tensors' dtypes), pruned to the first TIMED_CONFIGS that fit (fitting_configs) and timed
+    replayed from a CUDA graph, so the ranking is of the kernels' GPU time, not of their
+    launches. The choice is cached on disk (Triton's cache dir), so a second process does not
+    tune. The interpreter times nothing: the config with the largest tiles (the fewest
+    interpreted programs). Inside a CUDA graph capture, nothing may be timed: the first
+    candidate. Every kernel tuned this way writes its outputs whole, so running it several times
+    while timing is harmless."""
+
+    def prune(configs, named_args, **kwargs):
+        tensor, head_dim = named_args[tensor_arg], kwargs["HEAD_DIM"]
+        candidates = fitting_configs(configs, smem_rows, tensor, head_dim, *(named_args[a] for a in rows_args))
+        if INTERPRETING:
+            return [max(candidates, key=lambda c: c.kwargs["BLOCK_M"] * c.kwargs["BLOCK_N"])]
+        if torch.cuda.is_current_stream_capturing():
+            return candidates[:1]
+        return candidates[:TIMED_CONFIGS]
+
+    def time_from_cuda_graph(kernel_call, quantiles):
+        return triton.testing.do_bench_cudagraph(kernel_call, rep=20, quantiles=quantiles)
+
+    return triton.autotune(configs=configs, key=key, prune_configs_by={"early_config_prune": prune},
+                           do_bench=time_from_cuda_graph, cache_results=True)
