@@ -1,21 +1,16 @@
-"""Shared test setup: offline data, a tuning cache of the test run's own, a prepared data folder, and
-running the scripts.
+"""Shared test setup: offline data, a prepared data folder, and running the scripts.
 
 The scripts are run as subprocesses, as a user runs them, so exit codes, messages and
 signals are the real ones.
 """
-import atexit
 import os
-import shutil
 import subprocess
 import sys
-import tempfile
 from pathlib import Path
 
 import pytest
 import torch
 
-from attention.triton_launch import TUNING_CACHE_ENV
 from data.shakespeare.prepare import use_shared_data
 
 REPO = Path(__file__).resolve().parent.parent
@@ -23,13 +18,6 @@ REPO = Path(__file__).resolve().parent.parent
 # The scripts' rule for offline data (see prepare.py): the variables CI sets, else shared/data
 # beside the repo. Applied here too, for the tests that use tiktoken without prepare().
 use_shared_data()
-
-# The kernels' tuning choices the tests make (at their own small shapes), and those of the scripts
-# they run, go to a folder of the test run's, not to the user's tuning cache, where a later run at
-# the same tuning key would take them without timing.
-os.environ[TUNING_CACHE_ENV] = tempfile.mkdtemp(prefix="nanofa2-test-tuning-")
-atexit.register(shutil.rmtree, os.environ[TUNING_CACHE_ENV], ignore_errors=True)
-
 
 def share_the_cores_among_the_workers():
     """Under pytest-xdist, give each worker's torch, and the scripts it runs, an equal share of
