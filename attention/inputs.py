@@ -75,12 +75,27 @@ def check_triton_inputs(q, k, v, names=("q", "k", "v")):
                              f"along D (pass {name}.contiguous())")
 
 
-def refuse_double_backward(backend):
-    """Raise inside a backward asked to build a graph of itself (create_graph=True, the only time
-    grad mode is on there). These backwards are first order only: a graph through them would miss
-    how O and lse depend on Q, K, V, and a second-order gradient would be silently wrong. (torch's
-    once_differentiable is not enough: torch.autograd.grad(..., inputs) prunes its error node and
-    reports an input "not used in the graph" instead.)"""
-    if torch.is_grad_enabled():
-        raise RuntimeError(f"double backward is not supported by the {backend} backend (its backward is first "
-                           "order only): for gradients with create_graph=True use the eager backend")
+class _RefuseSecondOrder(torch.autograd.Function):
+    """The identity, whose backward refuses: see first_order_only."""
+
+    @staticmethod
+    def forward(ctx, backend, n_grads, *grads_then_inputs):
+        ctx.backend = backend
+        return tuple(g.view_as(g) for g in grads_then_inputs[:n_grads])
+
+    @staticmethod
+    def backward(ctx, *grad_grads):
+        raise RuntimeError(f"double backward is not supported by the {ctx.backend} backend (its backward is first "
+                           "order only): for higher-order gradients use the eager backend")
+
+
+def first_order_only(backend, grads, inputs):
+    """The gradients a first-order-only backward returns, computed from inputs (dO and the saved
+    tensors). Under create_graph=True (the only time grad mode is on inside a backward) they carry
+    a node, downstream of inputs, that raises if anything differentiates them: a graph through
+    these backwards would miss how O and lse depend on Q, K, V, and a second-order gradient would
+    be silently wrong. (torch's once_differentiable is not enough: torch.autograd.grad(...,
+    inputs) prunes its error node and reports an input "not used in the graph" instead.)"""
+    if not torch.is_grad_enabled():
+        return grads
+    return _RefuseSecondOrder.apply(backend, len(grads), *grads, *inputs)

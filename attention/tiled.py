@@ -27,7 +27,7 @@ import torch
 from einops import einsum
 
 from .eager import group_queries, window_bounds
-from .inputs import check_inputs, refuse_double_backward
+from .inputs import check_inputs, first_order_only
 from .tile_bounds import check_tile_sizes, key_tile_bounds, tile_mask
 from .tiled_backward import tiled_backward
 
@@ -98,6 +98,6 @@ class FlashAttentionPytorch(torch.autograd.Function):
 
     @staticmethod
     def backward(ctx, dO):
-        refuse_double_backward("tiled")
-        dQ, dK, dV = tiled_backward(*ctx.saved_tensors, dO, *ctx.settings)
-        return dQ, dK, dV, None, None, None, None
+        with torch.no_grad():
+            grads = tiled_backward(*ctx.saved_tensors, dO, *ctx.settings)
+        return *first_order_only("tiled", grads, (dO, *ctx.saved_tensors)), None, None, None, None

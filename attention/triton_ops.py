@@ -25,7 +25,7 @@ so the model's (B, N, H, D) views go back to (B, N, H * D) with no copy.
 import torch
 from torch import Tensor
 
-from .inputs import check_inputs, check_triton_inputs, refuse_double_backward
+from .inputs import check_inputs, check_triton_inputs, first_order_only
 from .launch import as_4d, check_kernel_device, new_like
 from .recompute_backward import recompute_backward
 from .triton_backward import flash_backward
@@ -72,10 +72,11 @@ class FlashAttentionTriton(torch.autograd.Function):
 
     @staticmethod
     def backward(ctx, dO):
-        refuse_double_backward("triton")
         Q, K, V, O, lse = ctx.saved_tensors
         is_causal, window_size = ctx.mask
-        return *flash_backward_op(Q, K, V, O, dO, lse, is_causal, *window_size), None, None
+        with torch.no_grad():
+            grads = flash_backward_op(Q, K, V, O, dO, lse, is_causal, *window_size)
+        return *first_order_only("triton", grads, (dO, Q, K, V)), None, None
 
 
 class TritonForwardRecomputeBackward(FlashAttentionTriton):
@@ -84,5 +85,6 @@ class TritonForwardRecomputeBackward(FlashAttentionTriton):
 
     @staticmethod
     def backward(ctx, dO):
-        refuse_double_backward("triton_fwd")
-        return *recompute_backward(*ctx.saved_tensors, dO, *ctx.mask), None, None
+        with torch.no_grad():
+            grads = recompute_backward(*ctx.saved_tensors, dO, *ctx.mask)
+        return *first_order_only("triton_fwd", grads, (dO, *ctx.saved_tensors)), None, None

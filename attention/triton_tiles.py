@@ -82,11 +82,11 @@ def head_matrix(T, b, h, stride_b, stride_h, stride_n, N,
     never copied. On Hopper it is a TMA tensor descriptor (the copy engine moves whole tiles and
     checks bounds in hardware); elsewhere the base pointer for load_tile's masked loads, which
     Triton pipelines with cp.async."""
-    base = T + b.to(tl.int64) * stride_b + h.to(tl.int64) * stride_h
-    if USE_TMA:
-        return tl.make_tensor_descriptor(base, shape=[N, HEAD_DIM], strides=[stride_n, 1],
-                                         block_shape=[BLOCK, BLOCK_D])
-    return base
+    matrix = T + b.to(tl.int64) * stride_b + h.to(tl.int64) * stride_h
+    if USE_TMA:  # (one return: compiled Triton wants one return type, whichever branch is taken)
+        matrix = tl.make_tensor_descriptor(matrix, shape=[N, HEAD_DIM], strides=[stride_n, 1],
+                                           block_shape=[BLOCK, BLOCK_D])
+    return matrix
 
 
 @triton.jit

@@ -1,13 +1,14 @@
-"""Draw the tiles causal FlashAttention visits: docs/results/causal_tiles.png.
+"""Draw the tiles FlashAttention visits under a mask: docs/results/causal_tiles.png.
 
     python docs/causal_tiles.py [--out PATH]
 
-Two views of one N_q x N_k causal score matrix cut into tile_m x tile_n tiles. Left, the
-forward (and the backward's dQ pass): each program holds one query tile and walks the key
-tiles along its row. Right, the backward's dK/dV pass: each program holds one key tile and
-walks the query tiles down its column. Every tile is unmasked (no mask needed), masked (it
-crosses the diagonal, or the end of the keys) or skipped (never loaded). The kinds come from
-attention/tile_bounds.py, the bounds the tiled code runs and the kernels restate.
+An N_q x N_k score matrix cut into tile_m x tile_n tiles, causal (top row) and with a sliding
+window of WINDOW keys before each query (bottom row). Left, the forward (and the backward's dQ
+pass): each program holds one query tile and walks the key tiles along its row. Right, the
+backward's dK/dV pass: each program holds one key tile and walks the query tiles down its
+column. Every tile is full (no mask needed), masked (it crosses the diagonal or the window's
+edge, or the end of the keys) or skipped (never loaded): a mask is a bound on the loop. The
+kinds come from attention/tile_bounds.py, the bounds the tiled code runs and the kernels restate.
 """
 import argparse
 import sys
@@ -17,22 +18,28 @@ from matplotlib.figure import Figure
 from matplotlib.patches import Rectangle
 
 sys.path.insert(0, str(Path(__file__).resolve().parent.parent))  # the repo root, for `attention`
+from attention.eager import UNBOUNDED  # noqa: E402
 from attention.tile_bounds import key_tile_bounds, query_tile_bounds  # noqa: E402
 
 N_Q, N_K, TILE_M, TILE_N = 176, 176, 32, 16  # lengths that end mid-tile, tiles that are not square
-COLOURS = {"unmasked": "#4c9f70", "masked": "#f0a340", "skipped": "#e6e6e6"}
+WINDOW = 72
+COLOURS = {"full": "#4c9f70", "masked": "#f0a340", "skipped": "#e6e6e6"}
 
 
-def forward_tiles(q_start):
+def run(bounds):
+    """{tile start: kind} for a run of tiles (start, full_start, full_end, end), step `step`."""
+    (start, full_start, full_end, end), step = bounds
+    return {t: "full" if full_start <= t < full_end else "masked" for t in range(start, end, step)}
+
+
+def forward_tiles(q_start, left):
     """{key tile start: kind} for the query tile starting at q_start."""
-    unmasked_end, end = key_tile_bounds(q_start, N_K, True, TILE_M, TILE_N)
-    return {k_start: "masked" if k_start >= unmasked_end else "unmasked" for k_start in range(0, end, TILE_N)}
+    return run((key_tile_bounds(q_start, N_K, left, 0, TILE_M, TILE_N), TILE_N))
 
 
-def dkdv_tiles(k_start):
+def dkdv_tiles(k_start, left):
     """{query tile start: kind} for the key tile starting at k_start."""
-    start, unmasked_start = query_tile_bounds(k_start, N_Q, True, TILE_M, TILE_N)
-    return {q_start: "masked" if q_start < unmasked_start else "unmasked" for q_start in range(start, N_Q, TILE_M)}
+    return run((query_tile_bounds(k_start, N_Q, left, 0, TILE_M, TILE_N), TILE_M))
 
 
 def draw(ax, kind_of, program, title):
@@ -52,18 +59,19 @@ def main():
     parser.add_argument("--out", default=str(Path(__file__).resolve().parent / "results" / "causal_tiles.png"))
     out = Path(parser.parse_args().out)
 
-    fig = Figure(figsize=(12, 6))
-    forward_ax, dkdv_ax = fig.subplots(1, 2)
+    fig = Figure(figsize=(12, 12))
     q_program, k_program = 3 * TILE_M, 3 * TILE_N
-    draw(forward_ax, lambda q, k: forward_tiles(q).get(k, "skipped"), (q_program, 0, TILE_M, N_K),
-         f"forward and dQ: a query tile walks the key tiles\n(outlined: the program for rows {q_program}-"
-         f"{q_program + TILE_M - 1})")
-    draw(dkdv_ax, lambda q, k: dkdv_tiles(k).get(q, "skipped"), (0, k_program, N_Q, TILE_N),
-         f"dK/dV: a key tile walks the query tiles\n(outlined: the program for keys {k_program}-"
-         f"{k_program + TILE_N - 1})")
+    for (forward_ax, dkdv_ax), (left, mask) in zip(fig.subplots(2, 2), ((UNBOUNDED, "causal"),
+                                                                       (WINDOW, f"window of {WINDOW} keys"))):
+        draw(forward_ax, lambda q, k: forward_tiles(q, left).get(k, "skipped"), (q_program, 0, TILE_M, N_K),
+             f"{mask}; forward and dQ: a query tile\nwalks the key tiles (outlined: rows "
+             f"{q_program}-{q_program + TILE_M - 1})")
+        draw(dkdv_ax, lambda q, k: dkdv_tiles(k, left).get(q, "skipped"), (0, k_program, N_Q, TILE_N),
+             f"{mask}; dK/dV: a key tile\nwalks the query tiles (outlined: keys {k_program}-"
+             f"{k_program + TILE_N - 1})")
     handles = [Rectangle((0, 0), 1, 1, facecolor=colour) for colour in COLOURS.values()]
     fig.legend(handles, list(COLOURS), loc="upper center", bbox_to_anchor=(0.5, 0.02), ncols=3,
-               title=f"causal, N_q = N_k = {N_Q}, tiles of tile_m = {TILE_M} queries x tile_n = {TILE_N} keys; "
+               title=f"N_q = N_k = {N_Q}, tiles of tile_m = {TILE_M} queries x tile_n = {TILE_N} keys; "
                      "dashed: the diagonal j = i")
     out.parent.mkdir(parents=True, exist_ok=True)
     fig.savefig(out, dpi=100, bbox_inches="tight")  # takes in the titles and the legend below

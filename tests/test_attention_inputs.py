@@ -3,15 +3,14 @@ keys, huge scores) give the right answer, never NaN or silent garbage."""
 import pytest
 import torch
 
-from attention import (BACKENDS, FlashAttentionPytorch, attention, packed_attention, triton_attention,
-                       triton_fwd_attention)
+from attention import BACKENDS, FlashAttentionPytorch, FlashAttentionTriton, attention
 from attention.eager import eager_attention_with_lse
 
 ENTRY_POINTS = {
-    "attention": lambda q, k, v, is_causal=False: attention(q, k, v, is_causal, backend="triton"),
+    "attention": lambda q, k, v, is_causal=False, window_size=(-1, -1): attention(q, k, v, is_causal, "triton",
+                                                                                   window_size),
     "FlashAttentionPytorch": FlashAttentionPytorch.apply,
-    "triton_attention": triton_attention,
-    "triton_fwd_attention": triton_fwd_attention,
+    "FlashAttentionTriton": FlashAttentionTriton.apply,
 }
 
 
@@ -19,15 +18,16 @@ def qkv(*shape, dtype=torch.float32):
     return [torch.randn(*shape, dtype=dtype) for _ in range(3)]
 
 
-q, k, v = qkv(2, 3, 8, 16)
+q, k, v = qkv(2, 4, 8, 16)
 BAD_INPUTS = [
     ("q", "at least 2 dims", (torch.randn(16), k, v)),
     ("k", "at least 2 dims", (q, torch.randn(16), v)),
-    ("k", "leading dims", (q, torch.randn(2, 4, 8, 16), v)),
-    ("v", "leading dims", (q, k, torch.randn(3, 8, 16))),
-    ("k", "head dim", (q, torch.randn(2, 3, 8, 32), v)),
-    ("v", "head dim", (q, k, torch.randn(2, 3, 8, 32))),
-    ("v", "N_k", (q, k, torch.randn(2, 3, 9, 16))),
+    ("k", "leading dims", (q, torch.randn(3, 4, 8, 16), v)),
+    ("k", "as many as q", (q, torch.randn(4, 8, 16), v)),
+    ("k", "head dim", (q, torch.randn(2, 4, 8, 32), v)),
+    ("v", "head dim", (q, k, torch.randn(2, 4, 8, 32))),
+    ("v", "but k has", (q, k, torch.randn(2, 4, 9, 16))),
+    ("k", "must divide q's 4", (q, torch.randn(2, 3, 8, 16), torch.randn(2, 3, 8, 16))),
     ("k", "dtype", (q, k.double(), v)),
     ("q", "floating-point", (q.long(), k.long(), v.long())),
     ("v", "dtype", (q, k, v.half())),
@@ -48,6 +48,23 @@ def test_is_causal_must_be_a_bool(entry):
         ENTRY_POINTS[entry](q, k, v, "yes")
 
 
+@pytest.mark.parametrize("window_size,expected", [((2,), "two ints"), ((1.5, 0), "two ints"), ((-2, 0), ">= -1"),
+                                                  ("wide", "two ints"), ((3, 4), "causal means right = 0")])
+@pytest.mark.parametrize("entry", ENTRY_POINTS)
+def test_bad_windows_are_named(entry, window_size, expected):
+    with pytest.raises(ValueError, match="window_size") as info:
+        ENTRY_POINTS[entry](q, k, v, expected.startswith("causal"), window_size)
+    assert expected in str(info.value)
+
+
+@pytest.mark.parametrize("backend", BACKENDS)
+def test_every_backend_checks_its_inputs(backend):
+    with pytest.raises(ValueError, match="must divide"):
+        attention(q, torch.randn(2, 3, 8, 16), torch.randn(2, 3, 8, 16), backend=backend)
+    with pytest.raises(ValueError, match="window_size"):
+        attention(q, k, v, backend=backend, window_size=(-5, 0))
+
+
 def test_unknown_backend_lists_the_valid_ones():
     with pytest.raises(ValueError, match="flash3") as info:
         attention(q, k, v, backend="flash3")
@@ -57,39 +74,14 @@ def test_unknown_backend_lists_the_valid_ones():
 
 @pytest.mark.parametrize("backend", ["triton", "triton_fwd"])
 def test_triton_limits(backend):
-    with pytest.raises(ValueError, match="head dim D=48"):
-        attention(*qkv(1, 8, 48), backend=backend)
+    for head_dim in (12, 264):
+        with pytest.raises(ValueError, match=f"head dim D={head_dim}; the Triton kernels take a multiple of 8"):
+            attention(*qkv(1, 8, head_dim), backend=backend)
     with pytest.raises(ValueError, match="float64"):
         attention(*qkv(1, 8, 16, dtype=torch.float64), backend=backend)
     strided = torch.randn(1, 16, 8).transpose(1, 2)  # (1, 8, 16) with last-dim stride 8
     with pytest.raises(ValueError, match="q has last-dim stride 8"):
         attention(strided, *qkv(1, 8, 16)[1:], backend=backend)
-
-
-PACKED = torch.randn(2, 8, 3, 2, 16)
-BAD_PACKED = [
-    ("qkv", "(B, N, 3, H, D)", (torch.randn(2, 8, 3, 32),), {}),
-    ("qkv", "(B, N, 3, H, D)", (torch.randn(2, 8, 2, 2, 16),), {}),
-    ("qkv", "floating-point", (PACKED.long(),), {}),
-    ("qkv", "torch.Tensor", (PACKED.tolist(),), {}),
-    ("is_causal", "bool", (PACKED,), {"is_causal": 1}),
-    ("backend", "flash3", (PACKED,), {"backend": "flash3"}),
-]
-
-
-@pytest.mark.parametrize("backend", BACKENDS)
-@pytest.mark.parametrize("name,expected,args,kwargs", BAD_PACKED, ids=[f"{n}-{e}" for n, e, _, _ in BAD_PACKED])
-def test_packed_attention_bad_inputs_name_the_argument(backend, name, expected, args, kwargs):
-    with pytest.raises(ValueError, match=name) as info:
-        packed_attention(*args, **{"backend": backend, **kwargs})
-    assert expected in str(info.value)
-
-
-def test_packed_attention_triton_limits():
-    with pytest.raises(ValueError, match="head dim D=48"):
-        packed_attention(torch.randn(1, 8, 3, 1, 48), backend="triton")
-    with pytest.raises(ValueError, match="float64"):
-        packed_attention(torch.randn(1, 8, 3, 1, 16, dtype=torch.float64), backend="triton")
 
 
 UNUSABLE = [
@@ -105,17 +97,6 @@ UNUSABLE = [
 def test_unusable_tensors_name_the_head_dim_dtype_or_device(backend, expected, make):
     with pytest.raises(ValueError, match="q ") as info:
         attention(make(), make(), make(), backend=backend)
-    assert expected in str(info.value)
-
-
-@pytest.mark.parametrize("backend", BACKENDS)
-@pytest.mark.parametrize("expected,shape", [("head dim D=0", (2, 8, 3, 2, 0)), ("float8_e4m3fn", (2, 8, 3, 2, 16))])
-def test_packed_attention_unusable_tensors(backend, expected, shape):
-    qkv_tensor = torch.randn(*shape)
-    if expected.startswith("float8"):
-        qkv_tensor = qkv_tensor.to(torch.float8_e4m3fn)
-    with pytest.raises(ValueError, match="qkv ") as info:
-        packed_attention(qkv_tensor, backend=backend)
     assert expected in str(info.value)
 
 
@@ -191,7 +172,7 @@ def test_gpu_huge_scores_stay_finite_and_correct(backend, dtype):
 
 
 def second_order_gradients(backend, q1, k1, v1):
-    """d/d(q, k, v) of sum(dq**2), where dq = d sum(o**2) / dq: the example of issue 17."""
+    """d/d(q, k, v) of sum(dq**2), where dq = d sum(o**2) / dq."""
     o = attention(q1, k1, v1, is_causal=True, backend=backend)
     dq, = torch.autograd.grad((o ** 2).sum(), q1, create_graph=True)
     return torch.autograd.grad((dq ** 2).sum(), (q1, k1, v1))

@@ -1,29 +1,37 @@
-"""The tiled PyTorch FlashAttention (tiled.py, tiled_backward.py) with tiles of every shape,
-and the tile bounds it shares with the Triton kernels (tile_bounds.py) against eager's mask.
-Every backend's default path is in test_attention.py; here the tiles are small and
-rectangular (tile_m != tile_n), so many tiles cross the diagonal and sequences end mid-tile."""
+"""The tiled PyTorch FlashAttention (tiled.py, tiled_backward.py) with tiles of every shape, and
+the tile bounds it shares with the Triton kernels: tile_bounds.py's rules against eager's mask
+(a skipped tile holds no visible pair, a full one only visible pairs), and triton_tiles.py's
+@triton.jit helpers against tile_bounds.py, number for number. Every backend's default path is
+in test_attention.py; here the tiles are small and rectangular (tile_m != tile_n), so many tiles
+cross the diagonal and a window's edges, and sequences end mid-tile."""
 import pytest
 import torch
 
 from attention import FlashAttentionPytorch
-from attention.eager import causal_mask
+from attention.eager import visible_keys, window_bounds
 from attention.tile_bounds import key_tile_bounds, query_tile_bounds
 from attention.tiled import tiled_forward
 from attention.tiled_backward import tiled_backward
+from attention.triton_tiles import key_tile_bounds as kernel_key_tile_bounds
+from attention.triton_tiles import query_tile_bounds as kernel_query_tile_bounds
 from test_attention import TOLERANCE, assert_close, random_qkv, reference
 
+import triton  # noqa: E402, I001  (after attention, which decides whether Triton interprets)
+import triton.language as tl  # noqa: E402
+
 TILES = [(16, 8), (8, 16), (7, 13), (1, 5), (64, 64)]
+MASKS = [(True, (-1, -1)), (False, (-1, -1)), (True, (5, 0)), (False, (0, 3)), (False, (12, 20)), (True, (0, 0))]
 
 
-@pytest.mark.parametrize("is_causal", [False, True])
-@pytest.mark.parametrize("shape_q,n_k", [((2, 1, 37, 16), 45), ((1, 2, 45, 128), 37), ((2, 29, 64), 29)])
+@pytest.mark.parametrize("is_causal,window_size", MASKS)
+@pytest.mark.parametrize("shape_q,n_k,h_kv", [((2, 2, 37, 16), 45, 1), ((1, 2, 45, 128), 37, 2), ((2, 29, 64), 29, 2)])
 @pytest.mark.parametrize("tile_m,tile_n", [(16, 8), (8, 16), (7, 13)])
-def test_tiled_backward_matches_float64_reference(tile_m, tile_n, shape_q, n_k, is_causal):
-    q, k, v = random_qkv(shape_q, n_k, seed=tile_m * tile_n + n_k)
-    o = FlashAttentionPytorch.apply(q, k, v, is_causal, tile_m, tile_n)
+def test_tiled_backward_matches_float64_reference(tile_m, tile_n, shape_q, n_k, h_kv, is_causal, window_size):
+    q, k, v = random_qkv(shape_q, n_k, h_kv=h_kv, seed=tile_m * tile_n + n_k)
+    o = FlashAttentionPytorch.apply(q, k, v, is_causal, window_size, tile_m, tile_n)
     do = torch.randn_like(o)
     o.backward(do)
-    o_ref, _, dq_ref, dk_ref, dv_ref = reference(q, k, v, is_causal, do)
+    o_ref, _, dq_ref, dk_ref, dv_ref = reference(q, k, v, is_causal, do, window_size)
     tol = TOLERANCE[torch.float32]
     assert_close(o, o_ref, tol, "O")
     for name, t, ref in (("dQ", q, dq_ref), ("dK", k, dk_ref), ("dV", v, dv_ref)):
@@ -32,14 +40,14 @@ def test_tiled_backward_matches_float64_reference(tile_m, tile_n, shape_q, n_k, 
 
 @pytest.mark.parametrize("tile_m,tile_n", [(16, 8), (5, 11)])
 def test_tiled_backward_on_strided_views(tile_m, tile_n):
-    """q, k, v as the model makes them, (B, H, T, D) views of one (B, T, 3, H, D) tensor, and
-    dO a transposed view; called directly, as the Function calls it."""
-    B, T, H, D = 2, 29, 3, 32
-    qkv = torch.randn(B, T, 3, H, D, generator=torch.Generator().manual_seed(1))
-    q, k, v = (qkv[:, :, i].transpose(1, 2) for i in range(3))
-    o, lse = tiled_forward(q, k, v, True, tile_m, tile_n)
+    """q, k, v as the model makes them, (B, heads, T, D) views of one (B, T, H + 2 * H_kv, D)
+    tensor, and dO a transposed view; called directly, as the Function calls it."""
+    B, T, H, H_kv, D = 2, 29, 4, 2, 32
+    qkv = torch.randn(B, T, H + 2 * H_kv, D, generator=torch.Generator().manual_seed(1))
+    q, k, v = qkv.transpose(1, 2).split([H, H_kv, H_kv], dim=1)
+    o, lse = tiled_forward(q, k, v, True, (-1, -1), tile_m, tile_n)
     do = torch.randn(B, T, H, D).transpose(1, 2)
-    dq, dk, dv = tiled_backward(q, k, v, o, lse, do, True, tile_m, tile_n)
+    dq, dk, dv = tiled_backward(q, k, v, o, lse, do, True, (-1, -1), tile_m, tile_n)
     _, _, dq_ref, dk_ref, dv_ref = reference(q, k, v, True, do)
     for name, got, ref in (("dQ", dq, dq_ref), ("dK", dk, dk_ref), ("dV", dv, dv_ref)):
         assert_close(got, ref, TOLERANCE[torch.float32], name)
@@ -61,45 +69,74 @@ def test_tiled_uses_the_tiled_backward(monkeypatch):
 def test_tile_sizes_must_be_positive_ints(bad):
     q, k, v = random_qkv((1, 1, 8, 16), 8)
     with pytest.raises(ValueError, match="tile_m must be a positive int"):
-        FlashAttentionPytorch.apply(q, k, v, True, bad, 8)
+        FlashAttentionPytorch.apply(q, k, v, True, (-1, -1), bad, 8)
     with pytest.raises(ValueError, match="tile_n must be a positive int"):
-        FlashAttentionPytorch.apply(q, k, v, True, 8, bad)
+        FlashAttentionPytorch.apply(q, k, v, True, (-1, -1), 8, bad)
 
 
-def classify(n_q, n_k, is_causal, tile_m, tile_n, pass_):
-    """{(query tile start, key tile start): "unmasked" | "masked"} for the tiles one pass visits."""
+def classify(n_q, n_k, left, right, tile_m, tile_n, pass_):
+    """{(query tile start, key tile start): "full" | "masked"} for the tiles one pass visits."""
     visits = {}
     if pass_ == "forward":  # and the dQ pass: each query tile walks key tiles
         for q_start in range(0, n_q, tile_m):
-            unmasked_end, end = key_tile_bounds(q_start, n_k, is_causal, tile_m, tile_n)
-            for k_start in range(0, end, tile_n):
-                visits[q_start, k_start] = "masked" if k_start >= unmasked_end else "unmasked"
+            start, full_start, full_end, end = key_tile_bounds(q_start, n_k, left, right, tile_m, tile_n)
+            for k_start in range(start, end, tile_n):
+                visits[q_start, k_start] = "full" if full_start <= k_start < full_end else "masked"
     else:  # the dK/dV pass: each key tile walks query tiles
         for k_start in range(0, n_k, tile_n):
-            start, unmasked_start = query_tile_bounds(k_start, n_q, is_causal, tile_m, tile_n)
-            for q_start in range(start, n_q, tile_m):
-                visits[q_start, k_start] = "masked" if q_start < unmasked_start else "unmasked"
+            start, full_start, full_end, end = query_tile_bounds(k_start, n_q, left, right, tile_m, tile_n)
+            for q_start in range(start, end, tile_m):
+                visits[q_start, k_start] = "full" if full_start <= q_start < full_end else "masked"
     return visits
 
 
 @pytest.mark.parametrize("pass_", ["forward", "dkdv"])
-@pytest.mark.parametrize("is_causal", [False, True])
-@pytest.mark.parametrize("n_q,n_k", [(37, 53), (53, 37), (64, 64), (1, 9), (9, 1), (30, 30)])
+@pytest.mark.parametrize("is_causal,window_size", MASKS)
+@pytest.mark.parametrize("n_q,n_k", [(37, 53), (53, 37), (64, 64), (1, 9), (9, 1), (30, 30), (90, 12)])
 @pytest.mark.parametrize("tile_m,tile_n", TILES)
-def test_tile_bounds_agree_with_the_causal_mask(tile_m, tile_n, n_q, n_k, is_causal, pass_):
-    """Every tile holding a visible (query, key) pair is visited; an unmasked tile holds only
-    visible pairs; a skipped tile holds none. The mask is eager's."""
-    visible = causal_mask(n_q, n_k) if is_causal else torch.ones(n_q, n_k, dtype=torch.bool)
-    visits = classify(n_q, n_k, is_causal, tile_m, tile_n, pass_)
+def test_tile_bounds_agree_with_the_mask(tile_m, tile_n, n_q, n_k, is_causal, window_size, pass_):
+    """Every tile holding a visible (query, key) pair is visited; a full tile holds only visible
+    pairs, and in the forward no key past n_k (it would add to the softmax; the dK/dV pass only
+    drops those keys' rows); a skipped tile holds none. The mask is eager's."""
+    left, right = window_bounds(is_causal, window_size)
+    visible = visible_keys(n_q, n_k, left, right)
+    visits = classify(n_q, n_k, left, right, tile_m, tile_n, pass_)
     for q_start in range(0, n_q, tile_m):
         for k_start in range(0, n_k, tile_n):
             tile = visible[q_start:q_start + tile_m, k_start:k_start + tile_n]
             kind = visits.get((q_start, k_start), "skipped")
-            if kind == "skipped":
-                assert not tile.any(), f"tile ({q_start}, {k_start}) holds visible pairs but is skipped"
-            if kind == "unmasked":
-                assert tile.all(), f"tile ({q_start}, {k_start}) holds hidden pairs but runs unmasked"
+            assert kind != "skipped" or not tile.any(), f"tile ({q_start}, {k_start}) holds visible pairs, skipped"
+            whole = tile.shape[1] == tile_n or pass_ == "dkdv"
+            assert kind != "full" or (tile.all() and whole), f"tile ({q_start}, {k_start}) needs a mask, runs without"
     assert all(q < n_q and k < n_k for q, k in visits), "a tile outside the sequences is visited"
+
+
+@triton.jit
+def _bounds_probe(OUT, START, N_Q, N_K, LEFT, RIGHT, BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr):
+    """triton_tiles' two bound rules for the tile starting at START[i], written to OUT[i, :8]."""
+    i = tl.program_id(0)
+    start = tl.load(START + i)
+    key_bounds = kernel_key_tile_bounds(start, N_K, LEFT, RIGHT, BLOCK_M, BLOCK_N)
+    query_bounds = kernel_query_tile_bounds(start, N_Q, LEFT, RIGHT, BLOCK_M, BLOCK_N)
+    for j in tl.static_range(4):
+        tl.store(OUT + i * 8 + j, key_bounds[j])
+        tl.store(OUT + i * 8 + 4 + j, query_bounds[j])
+
+
+@pytest.mark.parametrize("is_causal,window_size", MASKS + [(False, (300, 2))])
+@pytest.mark.parametrize("n_q,n_k", [(37, 53), (90, 12), (200, 200)])
+@pytest.mark.parametrize("tile_m,tile_n", [(16, 32), (64, 16), (32, 32)])
+def test_the_kernels_bounds_are_their_twins(tile_m, tile_n, n_q, n_k, is_causal, window_size):
+    """triton_tiles.key_tile_bounds and query_tile_bounds, run in a kernel, give tile_bounds.py's
+    numbers at every tile start."""
+    left, right = window_bounds(is_causal, window_size)
+    starts = torch.arange(0, max(n_q, n_k) + tile_m, 16, dtype=torch.int32)
+    out = torch.empty(len(starts), 8, dtype=torch.int32)
+    _bounds_probe[(len(starts),)](out, starts, n_q, n_k, left, right, BLOCK_M=tile_m, BLOCK_N=tile_n)
+    for start, row in zip(starts.tolist(), out.tolist()):
+        twins = (*key_tile_bounds(start, n_k, left, right, tile_m, tile_n),
+                 *query_tile_bounds(start, n_q, left, right, tile_m, tile_n))
+        assert tuple(row) == twins, f"tile start {start}"
 
 
 def test_causal_tiles_figure_is_drawn(tmp_path):

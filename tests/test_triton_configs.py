@@ -1,12 +1,12 @@
 """Every tile config the code can pick on the 12 GB target card (RTX 4070 Super, sm_89) fits
 its 99 KB of shared memory, and every kernel compiles for sm_89 and for Hopper (sm_90, TMA),
-the Hopper-only Gluon kernels (attention/gluon_forward.py, gluon_backward.py) included.
+the Hopper-only Gluon kernels (attention/hopper/) included.
 
 Triton compiles for a GPU target without a GPU; the compiler reports the shared memory each
-kernel allocates. The prune in attention/triton_launch.py keeps a config when its estimate
-fits; this checks the compiler's real number against the limit at the largest head dim and
-element size the estimate lets each config through for. Runs in a subprocess, because the
-test process runs the kernels through the interpreter.
+kernel allocates. The prune in attention/launch.py keeps a config when its estimate fits; this
+checks the compiler's real number against the limit at the largest head dim and element size
+the estimate lets each config through for. Runs in a subprocess, because the test process runs
+the kernels through the interpreter.
 """
 import json
 import os
@@ -15,15 +15,16 @@ import sys
 
 import pytest
 
-from attention import gluon_backward, gluon_forward
-from attention.triton_launch import ADA_SHARED_MEMORY_BYTES
+from attention.hopper import backward as hopper_backward
+from attention.hopper import forward as hopper_forward
+from attention.launch import ADA_SHARED_MEMORY_BYTES
 
 # One worker runs this module, so its module-scoped fixture runs once (see pytest.ini).
 pytestmark = pytest.mark.xdist_group("triton_configs")
 
-HEAD_DIMS = (16, 32, 64, 128)
+HEAD_DIMS = (16, 32, 64, 128, 256)
 HOPPER_SHARED_MEMORY_BYTES = 232448  # the H100's and H200's most per block
-TENSOR_POINTERS = {"Q", "K", "V", "O", "dO", "GRADS", "dK", "dV"}
+TENSOR_POINTERS = {"Q", "K", "V", "O", "dO", "dQ", "dK", "dV"}
 FLOAT32_POINTERS = {"LSE", "DELTA", "DQ"}
 ELEMENT_TYPES = {"bf16": 2, "fp32": 4}
 
@@ -55,15 +56,15 @@ def measure():
     """Compile every config for sm_90; for each cp.async config, also compile for sm_89 at the
     largest head dim the estimate admits per element size, and report the compiler's shared
     memory. Then the Gluon kernels for sm_90, with their shared memory."""
+    from attention.launch import shared_memory_bytes
     from attention.triton_backward import BACKWARD_CONFIGS, _attn_bwd, backward_smem_rows
-    from attention.triton_launch import shared_memory_bytes
     from attention.triton_forward import FORWARD_CONFIGS, _attn_fwd, forward_smem_rows
 
     results = []
-    for kernel, configs, smem_rows in ((_attn_fwd, FORWARD_CONFIGS, forward_smem_rows),
-                                       (_attn_bwd, BACKWARD_CONFIGS, backward_smem_rows)):
+    for kernel, configs, smem_rows in ((_attn_fwd.fn, FORWARD_CONFIGS, forward_smem_rows),
+                                       (_attn_bwd.fn, BACKWARD_CONFIGS, backward_smem_rows)):
         for config in configs:
-            compile_for(kernel, "bf16", dict(config.kwargs, IS_CAUSAL=True, HEAD_DIM=128, HEADS_FIRST=True), 90,
+            compile_for(kernel, "bf16", dict(config.kwargs, HEAD_DIM=128, BLOCK_D=128, HEADS_FIRST=True), 90,
                         config.num_warps, config.num_stages)
             if config.kwargs["USE_TMA"]:  # pruned on cards without TMA
                 continue
@@ -72,13 +73,13 @@ def measure():
                             if shared_memory_bytes(config, smem_rows, d, size) <= ADA_SHARED_MEMORY_BYTES]
                 if not admitted:
                     continue
-                constexprs = dict(config.kwargs, IS_CAUSAL=True, HEAD_DIM=max(admitted), HEADS_FIRST=True)
+                constexprs = dict(config.kwargs, HEAD_DIM=max(admitted), BLOCK_D=max(admitted), HEADS_FIRST=True)
                 compiled = compile_for(kernel, element_type, constexprs, 89, config.num_warps, config.num_stages)
                 results.append(dict(kernel=kernel.__name__, config=str(config), element_type=element_type,
                                     head_dim=max(admitted), shared=compiled.metadata.shared))
     hopper = {}
-    for module, kernel in ((gluon_forward, gluon_forward._attn_fwd_warp_specialized),
-                           (gluon_backward, gluon_backward._attn_bwd_warp_specialized)):
+    for module, kernel in ((hopper_forward, hopper_forward._attn_fwd_warp_specialized),
+                           (hopper_backward, hopper_backward._attn_bwd_warp_specialized)):
         hopper[kernel.__name__] = []
         for (head_dim, is_causal), tiles in module.TILES.items():
             compiled = compile_for(kernel, "bf16", dict(tiles, **module.REGISTERS, IS_CAUSAL=is_causal,
@@ -104,17 +105,17 @@ def test_every_ada_config_fits_shared_memory(compiled):
 
 
 def test_every_kernel_has_an_ada_config_for_every_head_dim(compiled):
-    """Some config is admitted at head dim 128 (and so, smaller dims) for every kernel and
+    """Some config is admitted at head dim 256 (and so, smaller dims) for every kernel and
     element size, so the prune never has to fall back to a config the card cannot hold."""
     for kernel in ("_attn_fwd", "_attn_bwd"):
         for element_type in ELEMENT_TYPES:
             dims = {r["head_dim"] for r in compiled["ada"]
                     if r["kernel"] == kernel and r["element_type"] == element_type}
-            assert dims and max(dims) == 128, f"{kernel} {element_type}: no config admitted at head dim 128"
+            assert dims and max(dims) == 256, f"{kernel} {element_type}: no config admitted at head dim 256"
 
 
-@pytest.mark.parametrize("module,kernel", [(gluon_forward, "_attn_fwd_warp_specialized"),
-                                           (gluon_backward, "_attn_bwd_warp_specialized")], ids=("forward", "backward"))
+@pytest.mark.parametrize("module,kernel", [(hopper_forward, "_attn_fwd_warp_specialized"),
+                                           (hopper_backward, "_attn_bwd_warp_specialized")], ids=("forward", "backward"))
 def test_gluon_kernels_compile_for_hopper(compiled, module, kernel):
     """Each warp-specialised kernel compiles for sm_90 with the tiles of every head dim and mask
     it serves, within Hopper's 227 KB of shared memory per block."""

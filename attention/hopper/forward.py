@@ -28,10 +28,9 @@ The TMA descriptors are built once per program, over the whole (B, H, N, D) tens
 addressed by its (batch, head, row) coordinates.
 
 flash_forward (triton_forward.py) sends a call here when serves() says so. That is only where
-this kernel measured faster than triton_forward.py's on the H200 (docs/optimisation.md). It computes what _attn_fwd computes: O, and the logsumexp lse that
-the backward reads.
+this kernel measured faster than triton_forward.py's on the H200 (docs/optimisation.md). It
+computes what _attn_fwd computes: O, and the logsumexp lse that the backward reads.
 """
-import torch
 import triton
 from triton.experimental import gluon
 from triton.experimental.gluon import language as gl
@@ -40,8 +39,8 @@ from triton.experimental.gluon.language.nvidia.hopper import (fence_async_shared
 
 from ..launch import set_tma_scratch_allocator
 from ..triton_tiles import LN_2, LOG2_E
-from .common import (hopper_entry, key_tile_counts, load_into_ring, ring_slot, sm_count, tensor_matrices, tma_store,
-                     visible)
+from .common import (hopper_entry, key_tile_counts, load_into_ring, ring_slot, sm_count, tensor_matrices, tma_load,
+                     tma_store, visible)
 
 # The (head dim, causal) calls this kernel measured faster on, and its constants for each:
 # BLOCK_M query rows per softmax partition, BLOCK_N keys per tile, STAGES ring slots, and
