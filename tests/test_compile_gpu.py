@@ -1,77 +1,70 @@
 """The Triton kernels under torch.compile and CUDA graphs, on the GPU (run by `.ci/gpu tests`).
-The CPU versions of these checks are in test_attention.py, test_model.py and test_train.py."""
+The CPU versions of these checks are in test_model.py, test_decode.py and test_train.py."""
 import pytest
 import torch
 
-from attention import attention, packed_attention, triton_launch
-from attention.inputs import unpack_heads
-from model import GPT, GPTConfig, compile_model
-from attention.triton_forward import _attn_fwd_tuned
-from test_attention import GPU_TOLERANCE, random_qkv
-from test_train import read_metrics, step_losses
+from attention import FlashAttentionTriton, attention  # first: it picks Triton's interpreter where there is no GPU
 from conftest import run_script
+from model import GPT, GPTConfig, compile_model
+from test_train import read_metrics, step_losses
+from torch._dynamo.testing import CompileCounterWithBackend  # noqa: E402 (imports triton)
 
 pytestmark = pytest.mark.gpu
 
+# The model's two attention shapes: multi-head, and grouped-query heads (two query heads per kv
+# head) with a window shorter than the sequence.
+CONFIGS = {"multi-head": dict(n_head=4), "gqa+window": dict(n_head=4, n_kv_head=2, window=31)}
 
-@pytest.mark.parametrize("suffix", ["", "_traced"])
-def test_gpu_custom_ops_pass_opcheck(suffix):
-    """The opaque operators, and their torch.library.triton_op twins that torch.compile takes on a GPU."""
+
+def projection_views(B, N, H, H_kv, D, dtype=torch.bfloat16, seed=0):
+    """q (B, H, N, D), k and v (B, H_kv, N, D): views of one fused projection, as the model hands them."""
+    g = torch.Generator("cuda").manual_seed(seed)
+    qkv = torch.randn(B, N, H + 2 * H_kv, D, device="cuda", dtype=dtype, generator=g)
+    return qkv.transpose(1, 2).split([H, H_kv, H_kv], dim=1)
+
+
+@pytest.mark.parametrize("window_size", [(-1, -1), (63, 0)])
+def test_gpu_custom_ops_pass_opcheck(window_size):
+    """The opaque operators FlashAttentionTriton and decode_attention run: their fake
+    implementations give the real outputs' shapes and strides, and the decode operator's schema
+    declares the caches it writes."""
     ops = torch.ops.nanofa2
-    qkv = torch.randn(2, 300, 3, 2, 64, device="cuda", dtype=torch.bfloat16)
-    q, k, v = (t.detach().requires_grad_() for t in unpack_heads(qkv))
-    for name in ("triton_attention", "triton_fwd_attention"):
-        torch.library.opcheck(getattr(ops, name + suffix), (q, k, v, True))
-    o, lse = (t.detach() for t in ops.triton_attention(q, k, v, True))  # the backward ops' own inputs
-    for op in (getattr(ops, "triton_attention_backward" + suffix), ops.recompute_attention_backward):
-        torch.library.opcheck(op, (q.detach(), k.detach(), v.detach(), o, torch.randn_like(o), lse, True))
-    torch.library.opcheck(getattr(ops, "triton_packed_attention" + suffix), (qkv.requires_grad_(), True))
-    o, lse = ops.triton_packed_attention(qkv.detach(), True)
-    torch.library.opcheck(getattr(ops, "triton_packed_attention_backward" + suffix),
-                          (qkv.detach(), o, torch.randn_like(o), lse, True))
+    is_causal = window_size[1] == 0
+    q, k, v = projection_views(2, 300, 4, 2, 64)
+    torch.library.opcheck(ops.flash_forward.default, (q, k, v, is_causal, *window_size))
+    o, lse = ops.flash_forward(q, k, v, is_causal, *window_size)  # the backward op's own inputs
+    torch.library.opcheck(ops.flash_backward.default, (q, k, v, o, torch.randn_like(o), lse, is_causal, *window_size))
+    q, k, v = projection_views(2, 1, 4, 2, 64, seed=1)
+    k_cache, v_cache = (torch.randn(2, 2, 37, 64, device="cuda", dtype=torch.bfloat16) for _ in range(2))
+    left = 2 ** 30 if window_size[0] < 0 else window_size[0]
+    torch.library.opcheck(ops.decode_attention.default,
+                          (q, k, v, k_cache, v_cache, torch.tensor([20], device="cuda"), left))
 
 
-def test_gpu_inductor_launches_the_kernels_itself():
-    """Compiled on a GPU, the graph holds the Triton kernels (through the triton_op twins), not a
-    call to an opaque operator: Inductor's generated code launches _attn_fwd, _attn_bwd_delta and
-    _attn_bwd."""
-    from torch._inductor.utils import run_and_get_code
-
-    qkv = torch.randn(2, 300, 3, 2, 64, device="cuda", dtype=torch.bfloat16, requires_grad=True)
-    step = torch.compile(lambda x: packed_attention(x, True, "triton").float().square().sum(), fullgraph=True)
-
-    def forward_and_backward(x):
-        step(x).backward()
-        return x.grad
-    grad, code = run_and_get_code(forward_and_backward, qkv)
-    code = "\n".join(code)
-    for kernel in ("_attn_fwd", "_attn_bwd_delta", "_attn_bwd"):
-        assert kernel in code
-    assert "triton_packed_attention.default(" not in code  # no call to the opaque operator
-    x = qkv.detach().requires_grad_()
-    packed_attention(x, True, "triton").float().square().sum().backward()
-    torch.testing.assert_close(grad, x.grad)
-
-
+@pytest.mark.parametrize("heads", CONFIGS)
 @pytest.mark.parametrize("attn", ["triton", "triton_fwd"])
-def test_gpu_fullgraph_inductor_matches_the_plain_model(attn):
+def test_gpu_fullgraph_inductor_is_one_graph_and_matches_the_plain_model(attn, heads):
     idx = torch.randint(0, 50257, (4, 128), device="cuda", generator=torch.Generator("cuda").manual_seed(0))
     results = []
+    counter = CompileCounterWithBackend("inductor")
     for compiled in (False, True):
         torch.manual_seed(0)
-        gpt = GPT(GPTConfig(block_size=128, n_layer=2, n_head=4, n_embd=256, dropout=0.0, attn=attn)).cuda()
-        run = torch.compile(gpt, fullgraph=True) if compiled else gpt
+        gpt = GPT(GPTConfig(block_size=128, vocab_size=50257, n_layer=2, n_embd=256, dropout=0.0, attn=attn,
+                            **CONFIGS[heads])).cuda()
+        run = torch.compile(gpt, backend=counter, fullgraph=True) if compiled else gpt
         with torch.autocast("cuda", dtype=torch.bfloat16):
             _, loss = run(idx, targets=idx.roll(-1, 1))
         loss.backward()
         results.append((loss.detach().float(), {n: p.grad.float() for n, p in gpt.named_parameters()}))
+    assert counter.frame_count == 1  # one graph: the kernels are opaque operators, no break around them
     (loss, grads), (loss_compiled, grads_compiled) = results
     torch.testing.assert_close(loss_compiled, loss, rtol=2e-3, atol=2e-3)
     for name, grad in grads.items():
         torch.testing.assert_close(grads_compiled[name], grad, rtol=5e-2, atol=5e-3, msg=name)
 
 
-def test_gpu_reduce_overhead_accumulates_gradients_like_the_plain_model():
+@pytest.mark.parametrize("heads", CONFIGS)
+def test_gpu_reduce_overhead_accumulates_gradients_like_the_plain_model(heads):
     """Two micro-batches through CUDA graphs: the accumulated gradient is the sum of both (the
     replay of the second must not overwrite the first's gradient, which autograd keeps)."""
     batches = [torch.randint(0, 50257, (4, 64), device="cuda", generator=torch.Generator("cuda").manual_seed(s))
@@ -79,7 +72,8 @@ def test_gpu_reduce_overhead_accumulates_gradients_like_the_plain_model():
     grads = []
     for mode in (None, "reduce-overhead"):
         torch.manual_seed(0)
-        gpt = GPT(GPTConfig(block_size=64, n_layer=2, n_head=2, n_embd=64, dropout=0.0, attn="triton")).cuda()
+        gpt = GPT(GPTConfig(block_size=64, vocab_size=50257, n_layer=2, n_embd=64, dropout=0.0, attn="triton",
+                            **CONFIGS[heads])).cuda()
         run = compile_model(gpt, mode) if mode else gpt
         for _ in range(3):  # CUDA graph trees record on the second call and replay from the third
             gpt.zero_grad(set_to_none=True)
@@ -107,20 +101,21 @@ def test_gpu_reduce_overhead_trains_every_backend(attn, tiny_args, tmp_path):
         assert losses[1][it] == pytest.approx(losses[0][it], rel=2e-3), it
 
 
-def test_gpu_a_new_shape_inside_a_cuda_graph_capture_is_not_timed(tmp_path, monkeypatch):
-    """The first call at a shape, inside a capture, with no saved choice: no timing (it would
-    sync, and record the timing launches), and the replayed graph computes the right O."""
-    monkeypatch.setenv(triton_launch.TUNING_CACHE_ENV, str(tmp_path))
-    q, k, v = (t.detach() for t in random_qkv((1, 2, 1500, 32), 1500, dtype=torch.float16, device="cuda", seed=3))
-    tunings = _attn_fwd_tuned.tunings
+@pytest.mark.parametrize("window_size", [(-1, 0), (200, 0)])
+def test_gpu_attention_captured_at_a_new_shape_replays_the_right_output(window_size):
+    """The first call at a shape, inside a CUDA graph capture: the tuner times nothing there (a
+    timing would sync, and record its launches), and the replayed graph computes the O of an
+    uncaptured call."""
+    q, k, v = (t.detach() for t in projection_views(1, 1500, 4, 2, 40, dtype=torch.float16, seed=3))
     graph = torch.cuda.CUDAGraph()
     with torch.cuda.graph(graph):
-        o = attention(q, k, v, True, "triton")
-    assert _attn_fwd_tuned.tunings == tunings
+        o = FlashAttentionTriton.apply(q, k, v, True, window_size)
     o.zero_()
     graph.replay()
     torch.cuda.synchronize()
-    torch.testing.assert_close(o, attention(q, k, v, True, "sdpa"), rtol=0, atol=GPU_TOLERANCE[torch.float16])
+    expected = attention(q.float(), k.float(), v.float(), True, "eager", window_size)
+    assert o.abs().sum() > 0
+    torch.testing.assert_close(o.float(), expected, rtol=0, atol=1e-2)
 
 
 @pytest.mark.parametrize("attn, extra", [

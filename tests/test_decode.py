@@ -1,14 +1,18 @@
 """decode_attention: one new token per sequence, stored into a static KV cache and attending over
-it, every backend against float64, with its position a device tensor; sample_next_token, the
-one sampling function of every decoding path; a compiled decode step that draws exactly the tokens of the uncompiled
-one, and writes the cache in place; generation with the weights cast to bf16 once (no cast per
-token, the same tokens compiled or not, the cached logits those of the whole context)."""
+the cached keys its window sees, every backend against a float64 reference, with grouped-query
+heads, windows, odd cache lengths and any head dim; the inputs it refuses (a cache of no rows,
+gradients the triton kernel cannot give, a pos of another dtype or outside the cache) and the
+cache rows that never change its result (stale NaN outside the window); sample_next_token, the
+one sampling function of every decoding path; a compiled decode step that draws exactly the
+tokens of the uncompiled one, and writes the cache in place; generation with the weights cast
+to bf16 once (no cast per token, the same tokens compiled or not, the cached logits those of
+the whole context)."""
 import pytest
 import torch
 
 from attention import BACKENDS, decode_attention
 from model import GPT, GPTConfig, sample_next_token
-from test_kv_cache import context_sensitive_gpt, prompt
+from test_kv_cache import GQA_WINDOW, context_sensitive_gpt, prompt
 from torch._dynamo.testing import CompileCounter  # imports triton: after attention, which picks the interpreter
 from torch.utils._python_dispatch import TorchDispatchMode
 from training.devices import generation_precision
@@ -16,47 +20,58 @@ from training.devices import generation_precision
 TOLERANCE = {torch.float32: 1e-5, torch.float16: 2e-3, torch.bfloat16: 2e-2}
 
 
-def cache_inputs(B, H, S, D, dtype, device="cpu", seed=0):
-    """qkv, the new token's fused projection (B, 1, 3, H, D), as the model makes it; the caches
-    (B, H, S, D) with random values everywhere, also at and past the new token's position, so
-    that a backend which reads past it, or fails to store the token, gets a wrong answer."""
+def decode_inputs(B, H, H_kv, S, D, dtype=torch.float32, device="cpu", seed=0):
+    """q (B, H, 1, D), k and v (B, H_kv, 1, D): views of the new token's fused projection, as the
+    model makes them; the caches (B, H_kv, S, D) with random values everywhere, also at and past
+    the new token's position, so that a backend which reads outside its window, or fails to
+    store the token, gets a wrong answer."""
     g = torch.Generator().manual_seed(seed)
-    qkv = torch.randn(B, 1, 3, H, D, generator=g).to(device, dtype)
-    k_cache, v_cache = (torch.randn(B, H, S, D, generator=g).to(device, dtype) for _ in range(2))
-    return qkv, k_cache, v_cache
+    qkv = torch.randn(B, 1, H + 2 * H_kv, D, generator=g).to(device, dtype)
+    q, k, v = qkv.transpose(1, 2).split([H, H_kv, H_kv], dim=1)
+    k_cache, v_cache = (torch.randn(B, H_kv, S, D, generator=g).to(device, dtype) for _ in range(2))
+    return q, k, v, k_cache, v_cache
 
 
-def expected(qkv, k_cache, v_cache, pos):
-    """float64 on the host: the caches as they should be after the step (the new token's key and
-    value at row pos, every other row as it was), and the output (B, 1, H, D), the softmax over
-    the keys [0, pos] alone, sliced: no mask involved."""
-    q, k, v = (t.double() for t in qkv[:, 0].unbind(1))  # (B, H, D) each
-    k_after, v_after = k_cache.double().clone(), v_cache.double().clone()
-    k_after[:, :, pos], v_after[:, :, pos] = k, v
-    seen_k, seen_v = k_after[:, :, :pos + 1], v_after[:, :, :pos + 1]
-    weights = torch.softmax(torch.einsum("bhd,bhnd->bhn", q, seen_k) / q.shape[-1] ** 0.5, dim=-1)
-    return torch.einsum("bhn,bhnd->bhd", weights, seen_v)[:, None], k_after, v_after
+def expected(q, k, v, k_cache, v_cache, pos, left=-1):
+    """float64 on the host: the output (B, H, 1, D), the softmax over the keys
+    [max(0, pos - left), pos] alone, sliced: no mask involved (query head h reads kv head
+    h // (H // H_kv)); and the caches as they should be after the step (the new token's key and
+    value at row pos, every other row as it was). Differentiable in float64 q, k and v."""
+    q, k, v, k_cache, v_cache = (t.cpu().double() for t in (q, k, v, k_cache, v_cache))
+    first = 0 if left < 0 else max(0, pos - left)
+    group = q.shape[1] // k.shape[1]
+    seen_k = torch.cat((k_cache[:, :, first:pos], k), dim=2).repeat_interleave(group, dim=1)
+    seen_v = torch.cat((v_cache[:, :, first:pos], v), dim=2).repeat_interleave(group, dim=1)
+    weights = torch.softmax(q @ seen_k.transpose(-2, -1) / q.shape[-1] ** 0.5, dim=-1)
+    k_after, v_after = k_cache.detach().clone(), v_cache.detach().clone()
+    k_after[:, :, pos], v_after[:, :, pos] = k[:, :, 0].detach(), v[:, :, 0].detach()
+    return weights @ seen_v, k_after, v_after
 
 
-# (B, H, S, D, pos): odd cache lengths; the first position (the token sees only itself), the
-# last (a full cache), and positions whose cached keys end inside a 64-key tile and exactly at
-# its end.
+# (B, H, H_kv, S, D, pos, left): query heads per kv head 1, 2 and 4, and one kv head; windows of
+# 0, 1, 3 and 70 keys before the query and unbounded (-1); odd cache lengths; the first position
+# (the token sees only itself), the last (a full cache), windows that start inside a 64-key tile
+# or cross into the next; head dims that are not powers of two (8, 48, 80).
 SHAPES = [
-    (3, 2, 37, 16, 0),
-    (3, 2, 37, 16, 19),
-    (3, 2, 37, 16, 36),
-    (2, 3, 130, 32, 64),
-    (2, 3, 130, 32, 128),
-    (1, 1, 5, 64, 4),
-    (2, 2, 70, 16, 2),
+    (3, 2, 2, 37, 16, 0, -1),
+    (3, 2, 2, 37, 16, 19, -1),
+    (3, 4, 2, 37, 16, 36, 3),
+    (2, 4, 1, 37, 48, 20, 1),
+    (2, 8, 2, 130, 32, 64, -1),
+    (2, 3, 3, 130, 32, 128, 0),
+    (1, 4, 4, 5, 64, 4, 3),
+    (2, 4, 1, 70, 8, 66, 3),
+    (2, 2, 1, 70, 80, 2, -1),
+    (1, 8, 2, 131, 80, 130, 70),
+    (2, 6, 3, 33, 48, 32, 0),
 ]
 
 
-def check_decode(backend, dtype, B, H, S, D, pos, device, tolerance):
-    qkv, k_cache, v_cache = cache_inputs(B, H, S, D, dtype, device)
-    o_expected, k_expected, v_expected = expected(qkv.cpu(), k_cache.cpu(), v_cache.cpu(), pos)
-    o = decode_attention(qkv, k_cache, v_cache, torch.tensor([pos], device=device), backend=backend)
-    assert o.shape == (B, 1, H, D) and o.dtype == dtype
+def check_decode(backend, dtype, B, H, H_kv, S, D, pos, left, device, tolerance):
+    q, k, v, k_cache, v_cache = decode_inputs(B, H, H_kv, S, D, dtype, device)
+    o_expected, k_expected, v_expected = expected(q, k, v, k_cache, v_cache, pos, left)
+    o = decode_attention(q, k, v, k_cache, v_cache, torch.tensor([pos], device=device), (left, 0), backend)
+    assert o.shape == (B, H, 1, D) and o.dtype == dtype
     torch.testing.assert_close(o.double().cpu(), o_expected, atol=tolerance, rtol=tolerance)
     # The caches are written in place, at row pos and nowhere else: exactly the projection's values.
     assert torch.equal(k_cache.double().cpu(), k_expected) and torch.equal(v_cache.double().cpu(), v_expected)
@@ -64,61 +79,187 @@ def check_decode(backend, dtype, B, H, S, D, pos, device, tolerance):
 
 @pytest.mark.parametrize("backend", BACKENDS)
 @pytest.mark.parametrize("dtype", [torch.float32, torch.float16])
-@pytest.mark.parametrize("B, H, S, D, pos", SHAPES)
-def test_decode_attention_stores_the_token_and_matches_float64_on_the_keys_up_to_its_own(backend, dtype, B, H, S, D,
-                                                                                         pos):
-    check_decode(backend, dtype, B, H, S, D, pos, "cpu", TOLERANCE[dtype])
+@pytest.mark.parametrize("B, H, H_kv, S, D, pos, left", SHAPES)
+def test_decode_attention_stores_the_token_and_matches_float64_on_the_keys_of_its_window(backend, dtype, B, H, H_kv,
+                                                                                       S, D, pos, left):
+    check_decode(backend, dtype, B, H, H_kv, S, D, pos, left, "cpu", TOLERANCE[dtype])
 
 
-def test_the_eager_reference_masks_what_the_slices_leave_out():
-    qkv, k_cache, v_cache = cache_inputs(2, 2, 9, 16, torch.float64)
-    o_expected, _, _ = expected(qkv, k_cache, v_cache, 4)
-    torch.testing.assert_close(decode_attention(qkv, k_cache, v_cache, torch.tensor([4]), backend="eager"), o_expected)
+@pytest.mark.parametrize("left", [-1, 3])
+def test_the_eager_reference_masks_what_the_slices_leave_out(left):
+    q, k, v, k_cache, v_cache = decode_inputs(2, 4, 2, 9, 16, torch.float64)
+    o_expected, _, _ = expected(q, k, v, k_cache, v_cache, 6, left)
+    torch.testing.assert_close(decode_attention(q, k, v, k_cache, v_cache, torch.tensor([6]), (left, 0), "eager"),
+                               o_expected, atol=1e-12, rtol=1e-12)
+
+
+@pytest.mark.parametrize("backend", BACKENDS)
+def test_a_cache_of_no_rows_is_refused_naming_the_cache(backend):
+    # There is no row for the new token: the triton kernel wrote it at row -1, outside the cache.
+    q, k, v, k_cache, v_cache = decode_inputs(1, 2, 2, 0, 16)
+    with pytest.raises(ValueError, match="k_cache has S=0 rows"):
+        decode_attention(q, k, v, k_cache, v_cache, torch.tensor([0]), backend=backend)
+
+
+@pytest.mark.parametrize("backend", ["triton", "triton_fwd"])
+@pytest.mark.parametrize("needs_grad", ["q", "k", "v", "k_cache", "v_cache"])
+def test_gradients_through_the_triton_decode_are_refused_not_left_none(backend, needs_grad):
+    inputs = dict(zip(("q", "k", "v", "k_cache", "v_cache"), decode_inputs(1, 4, 2, 8, 16)))
+    inputs[needs_grad] = inputs[needs_grad].detach().requires_grad_()
+    pos = torch.tensor([3])
+    with pytest.raises(ValueError, match="computes no gradient: call it under torch.no_grad"):
+        decode_attention(**inputs, pos=pos, backend=backend)
+    with torch.no_grad():  # generation: the same inputs decode
+        o = decode_attention(**inputs, pos=pos, backend=backend)
+    o_expected, _, _ = expected(*inputs.values(), 3)
+    torch.testing.assert_close(o.double(), o_expected.detach(), atol=1e-5, rtol=1e-5)
+
+
+@pytest.mark.parametrize("backend", ["eager", "tiled", "sdpa"])
+@pytest.mark.parametrize("left", [-1, 2])
+def test_the_other_backends_give_the_true_gradient_through_decode(backend, left):
+    qkv = torch.randn(2, 1, 8, 16, dtype=torch.float64, generator=torch.Generator().manual_seed(3),
+                      requires_grad=True)
+    q, k, v = qkv.transpose(1, 2).split([4, 2, 2], dim=1)  # grouped-query heads
+    _, _, _, k_cache, v_cache = decode_inputs(2, 4, 2, 11, 16, torch.float64)
+    o_expected, _, _ = expected(q, k, v, k_cache, v_cache, 7, left)
+    do = torch.randn_like(o_expected)
+    (grad_expected,) = torch.autograd.grad(o_expected, qkv, do)
+    o = decode_attention(q, k, v, k_cache, v_cache, torch.tensor([7]), (left, 0), backend)
+    (grad,) = torch.autograd.grad(o, qkv, do)
+    torch.testing.assert_close(o, o_expected, atol=1e-12, rtol=1e-12)
+    torch.testing.assert_close(grad, grad_expected, atol=1e-12, rtol=1e-12)
+    assert grad[:, :, 4:6].abs().sum() > 0 and grad[:, :, 6:].abs().sum() > 0  # k and v get theirs, not only q
+
+
+@pytest.mark.parametrize("backend", BACKENDS)
+@pytest.mark.parametrize("dtype", [torch.float32, torch.float16])
+@pytest.mark.parametrize("left", [-1, 3])
+def test_cache_rows_outside_the_window_never_change_the_result(backend, dtype, left):
+    # Stale entries past pos (an earlier, longer sequence; uninitialised memory) and before
+    # pos - left: NaN and inf in keys and values. Masking a key's score is not enough, as its
+    # probability 0 times a NaN value is NaN.
+    pos = 40
+    q, k, v, k_cache, v_cache = decode_inputs(2, 4, 2, 70, 16, dtype)
+    first = 0 if left < 0 else pos - left
+    for cache in (k_cache, v_cache):
+        cache[:, :, pos + 1::2] = float("nan")
+        cache[:, :, pos + 2::2] = float("inf")
+        cache[:, :, :first:2] = float("nan")
+        cache[:, :, 1:first:2] = float("-inf")
+    o_expected, k_expected, v_expected = expected(q, k, v, k_cache, v_cache, pos, left)
+    o = decode_attention(q, k, v, k_cache, v_cache, torch.tensor([pos]), (left, 0), backend)
+    assert o.isfinite().all()
+    torch.testing.assert_close(o.double(), o_expected, atol=TOLERANCE[dtype], rtol=TOLERANCE[dtype])
+    torch.testing.assert_close(k_cache.double(), k_expected, atol=0, rtol=0, equal_nan=True)
+    torch.testing.assert_close(v_cache.double(), v_expected, atol=0, rtol=0, equal_nan=True)
+
+
+@pytest.mark.parametrize("backend", BACKENDS)
+@pytest.mark.parametrize("dtype", [torch.int32, torch.int8, torch.uint8, torch.bool])
+def test_a_pos_of_another_dtype_is_refused_on_every_backend(backend, dtype):
+    # triton read any integer, the others failed inside index_copy_ with a RuntimeError.
+    with pytest.raises(ValueError, match="pos must be an int64 torch.Tensor"):
+        decode_attention(*decode_inputs(1, 2, 1, 8, 16), torch.tensor([1], dtype=dtype), backend=backend)
+
+
+@pytest.mark.parametrize("backend", BACKENDS)
+@pytest.mark.parametrize("pos", [8, 9, 1000, -1])
+def test_a_pos_outside_the_cache_is_refused_naming_it_on_every_backend(backend, pos):
+    # triton clamped it into the cache without a word, the others raised IndexError.
+    q, k, v, k_cache, v_cache = decode_inputs(1, 2, 1, 8, 16)
+    k_before, v_before = k_cache.clone(), v_cache.clone()
+    with pytest.raises(ValueError, match=rf"pos={pos} is outside the cache's S=8 rows"):
+        decode_attention(q, k, v, k_cache, v_cache, torch.tensor([pos]), backend=backend)
+    assert torch.equal(k_cache, k_before) and torch.equal(v_cache, v_before)  # refused before any write
+
+
+@pytest.mark.parametrize("backend", BACKENDS)
+@pytest.mark.parametrize("S, pos", [(64, 63), (129, 127)])
+def test_float16_values_whose_tile_sum_passes_float16s_range_give_the_true_output(backend, S, pos):
+    # Every key equal, so every score is: the output is the mean of the values, 1024. Summed
+    # unnormalised over a 64-key tile, P.V is 64 * 1024 = 65,536, past float16's largest finite
+    # 65,504: a tile product formed in float16 gives inf.
+    q, k, v, k_cache, v_cache = decode_inputs(1, 2, 1, S, 16, torch.float16)
+    v.fill_(1024.0)
+    v_cache.fill_(1024.0)
+    k_cache.copy_(k.expand_as(k_cache))
+    o = decode_attention(q, k, v, k_cache, v_cache, torch.tensor([pos]), backend=backend)
+    assert torch.equal(o, torch.full_like(o, 1024.0))  # 64 or 128 keys: weights 1/64 or 1/128, exact
+
+
+def bad_decode_args(**bad):
+    q, k, v, k_cache, v_cache = decode_inputs(1, 4, 2, 8, 16)
+    args = dict(q=q, k=k, v=v, k_cache=k_cache, v_cache=v_cache, pos=torch.tensor([3]))
+    args.update(bad)
+    return args
 
 
 @pytest.mark.parametrize("bad, message", [
-    (dict(qkv=torch.randn(1, 2, 3, 2, 16)), r"qkv must have shape \(B, 1, 3, H, D\), one new token"),
-    (dict(qkv=torch.randn(1, 1, 2, 2, 16)), r"qkv must have shape \(B, N, 3, H, D\)"),
-    (dict(pos=torch.tensor([3.0])), "pos must be an integer torch.Tensor"),
-    (dict(pos=3), "pos must be an integer torch.Tensor"),
+    (dict(q=torch.randn(1, 4, 2, 16)), r"q must have shape \(B, H, 1, D\), one new token"),
+    (dict(k=torch.randn(1, 3, 1, 16), v=torch.randn(1, 3, 1, 16)), "k and v have 3 heads .*, which must divide q's 4"),
+    (dict(v=torch.randn(1, 2, 1, 8)), r"v .* must match q \(1, 4, 1, 16\) in its leading dims and head dim"),
+    (dict(pos=torch.tensor([3.0])), "pos must be an int64 torch.Tensor"),
+    (dict(pos=3), "pos must be an int64 torch.Tensor"),
     (dict(pos=torch.tensor(3)), r"pos must have shape \(1,\)"),
-    (dict(k_cache=torch.randn(1, 2, 8, 32)), r"k_cache must have shape \(B, H, S, D\) = \(1, 2, S, 16\)"),
-    (dict(v_cache=torch.randn(1, 2, 8, 16, dtype=torch.float64)), "v_cache is torch.float64 on cpu but qkv is "),
+    (dict(pos=torch.tensor([3], device="meta")), "pos is on meta but q is on cpu"),
+    (dict(k_cache=torch.randn(1, 2, 8, 32)), r"k_cache must have shape \(B, H_kv, S, D\) = \(1, 2, S, 16\)"),
+    (dict(k_cache=torch.randn(1, 4, 8, 16)), r"k_cache must have shape \(B, H_kv, S, D\) = \(1, 2, S, 16\)"),
+    (dict(v_cache=torch.randn(1, 2, 8, 16, dtype=torch.float64)), "v_cache is torch.float64 on cpu but q is "),
     (dict(v_cache=torch.randn(1, 2, 9, 16)), r"v_cache has shape \(1, 2, 9, 16\) but k_cache has"),
+    (dict(window_size=(-2, 0)), r"window_size must be \(left, right\), two ints >= -1"),
+    (dict(window_size=(3,)), r"window_size must be \(left, right\)"),
 ])
 def test_bad_decode_inputs_are_named(bad, message):
-    args = dict(qkv=torch.randn(1, 1, 3, 2, 16), k_cache=torch.randn(1, 2, 8, 16), v_cache=torch.randn(1, 2, 8, 16),
-                pos=torch.tensor([3]))
-    args.update(bad)
     with pytest.raises(ValueError, match=message):
-        decode_attention(**args, backend="eager")
+        decode_attention(**bad_decode_args(**bad), backend="eager")
 
 
-def test_the_triton_decode_backend_names_a_fused_projection_it_cannot_read():
-    qkv, k_cache, v_cache = cache_inputs(1, 2, 8, 32, torch.float32)
-    with pytest.raises(ValueError, match=r"qkv has last-dim stride 2; .* \(pass qkv.contiguous\(\)\)"):
-        decode_attention(qkv[..., ::2], k_cache[..., :16], v_cache[..., :16], torch.tensor([3]), backend="triton")
-    with pytest.raises(ValueError, match="qkv has head dim D=24; the Triton kernels support D in"):
-        decode_attention(qkv[..., :24], k_cache[..., :24], v_cache[..., :24], torch.tensor([3]), backend="triton")
+@pytest.mark.parametrize("name", ["q", "k_cache", "v_cache", "k", "v"])
+def test_the_triton_decode_backend_names_an_input_it_cannot_read(name):
+    # The kernel reads each row along D with unit stride: a strided input must be refused by
+    # name, or read through its strides (the output then matches the reference).
+    args = bad_decode_args()
+    args[name] = torch.stack((args[name], torch.full_like(args[name], 1e3)), dim=-1).flatten(-2)[..., ::2]
+    assert args[name].stride(-1) == 2
+    o_expected, _, _ = expected(*(args[n] for n in ("q", "k", "v", "k_cache", "v_cache")), 3)
+    try:
+        o = decode_attention(**args, backend="triton")
+    except ValueError as error:
+        assert f"{name} has last-dim stride 2" in str(error) and f"pass {name}.contiguous()" in str(error)
+    else:
+        torch.testing.assert_close(o.double(), o_expected, atol=1e-5, rtol=1e-5)
+
+
+@pytest.mark.parametrize("D", [20, 4, 264])
+def test_the_triton_decode_backend_names_a_head_dim_it_cannot_take(D):
+    with pytest.raises(ValueError, match=f"q has head dim D={D}; the Triton kernels take a multiple of 8 up to 256"):
+        decode_attention(*decode_inputs(1, 2, 1, 8, D), torch.tensor([3]), backend="triton")
+    decode_attention(*decode_inputs(1, 2, 1, 8, D), torch.tensor([3]), backend="tiled")  # the others take any D
 
 
 def test_an_unknown_decode_backend_is_named():
     with pytest.raises(ValueError, match="backend='flash' is not one of"):
-        decode_attention(*cache_inputs(1, 2, 8, 16, torch.float32), torch.tensor([3]), backend="flash")
+        decode_attention(*decode_inputs(1, 2, 1, 8, 16), torch.tensor([3]), backend="flash")
 
 
-def test_the_triton_decode_operator_passes_opcheck():
+@pytest.mark.parametrize("left", [-1, 4])
+def test_the_triton_decode_operator_passes_opcheck(left):
     # opcheck also checks that the schema declares every input the operator writes: the caches.
-    qkv, k_cache, v_cache = cache_inputs(2, 2, 19, 16, torch.float32)
-    torch.library.opcheck(torch.ops.nanofa2.triton_decode_attention.default, (qkv, k_cache, v_cache, torch.tensor([7])))
+    # The operator takes the window's left side as the kernel does: unbounded is a large int.
+    from attention.eager import window_bounds
+    q, k, v, k_cache, v_cache = decode_inputs(2, 4, 2, 19, 16)
+    torch.library.opcheck(torch.ops.nanofa2.decode_attention.default,
+                          (q, k, v, k_cache, v_cache, torch.tensor([7]), window_bounds(False, (left, 0))[0]))
 
 
-@pytest.mark.parametrize("attn", ["eager", "triton", "sdpa"])
-def test_a_compiled_decode_step_draws_the_tokens_of_the_uncompiled_one(attn):
+@pytest.mark.parametrize("attn, heads", [("eager", "multi-head"), ("triton", "multi-head"), ("sdpa", "multi-head"),
+                                         ("triton", "gqa+window")])
+def test_a_compiled_decode_step_draws_the_tokens_of_the_uncompiled_one(attn, heads):
     # The step compiles as one graph (fullgraph=True: the Triton kernel is an opaque custom
     # operator) and is used for every token after the prefill, across the refill at block_size.
     torch._dynamo.reset()
-    gpt = context_sensitive_gpt(attn)
+    gpt = context_sensitive_gpt(attn, **(GQA_WINDOW if heads == "gqa+window" else {}))
     eager_tokens = gpt.generate(prompt(), max_new_tokens=14, top_k=1)
     assert torch.equal(gpt.generate(prompt(), max_new_tokens=14, top_k=1, kv_cache=False), eager_tokens)
     gpt.compile_decode_step(backend="aot_eager")
@@ -216,9 +357,11 @@ def test_the_decode_step_compiles_once_across_tokens_refills_and_generate_calls(
 
 @pytest.mark.gpu
 @pytest.mark.parametrize("backend", BACKENDS)
-@pytest.mark.parametrize("B, H, S, D, pos", SHAPES + [(32, 6, 256, 64, 199), (1, 6, 256, 128, 255)])
-def test_decode_attention_on_the_gpu_in_bfloat16(backend, B, H, S, D, pos):
-    check_decode(backend, torch.bfloat16, B, H, S, D, pos, "cuda", 2e-2)
+@pytest.mark.parametrize("B, H, H_kv, S, D, pos, left", SHAPES + [
+    (32, 8, 2, 256, 64, 199, -1), (1, 8, 8, 256, 128, 255, 100), (4, 8, 1, 300, 96, 299, 63),
+    (2, 4, 2, 257, 160, 256, 0), (2, 8, 2, 513, 256, 512, 257)])
+def test_decode_attention_on_the_gpu_in_bfloat16(backend, B, H, H_kv, S, D, pos, left):
+    check_decode(backend, torch.bfloat16, B, H, H_kv, S, D, pos, left, "cuda", 2e-2)
 
 
 def uncaptured_greedy(gpt, tokens, max_new_tokens):

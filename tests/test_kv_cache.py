@@ -1,5 +1,8 @@
 """KV-cache generation: the same greedy tokens as the recompute loop on every backend, past
-block_size too; what the prefill and the decode steps call attention with; sample.py end to end."""
+block_size too, with multi-head and with grouped-query heads and a sliding window; what the
+prefill and the decode steps call attention with; a cache of n_kv_head heads (a quarter of the
+bytes at n_head / n_kv_head = 4); sample.py end to end."""
+import inspect
 import re
 
 import pytest
@@ -10,13 +13,18 @@ from attention import BACKENDS
 from conftest import run_script
 from model import GPT, GPTConfig
 
+# Grouped-query heads (two query heads per kv head) and a window of 5 keys before each query:
+# shorter than the 16-token block, so that the window hides keys in training, prefill and decode.
+GQA_WINDOW = dict(n_head=4, n_kv_head=2, window=5)
 
-def context_sensitive_gpt(attn):
+
+def context_sensitive_gpt(attn, **overrides):
     """A tiny random model whose next token depends on its context. At GPT-2's init
     (std 0.02) a random model repeats one token whatever it is shown, so a broken cache
     would still pass; with std 0.5 matrices it does not."""
     torch.manual_seed(0)
-    gpt = GPT(GPTConfig(block_size=16, vocab_size=50257, n_layer=2, n_head=2, n_embd=32, dropout=0.0, attn=attn))
+    args = dict(block_size=16, vocab_size=50257, n_layer=2, n_head=2, n_embd=32, dropout=0.0, attn=attn)
+    gpt = GPT(GPTConfig(**{**args, **overrides}))
     with torch.no_grad():
         for p in gpt.parameters():
             if p.dim() >= 2:
@@ -28,9 +36,10 @@ def prompt(batch=2, length=5):
     return torch.randint(0, 50257, (batch, length), generator=torch.Generator().manual_seed(1))
 
 
+@pytest.mark.parametrize("heads", ["multi-head", "gqa+window"])
 @pytest.mark.parametrize("attn", BACKENDS)
-def test_greedy_tokens_are_the_same_with_and_without_the_cache_past_block_size(attn):
-    gpt = context_sensitive_gpt(attn)
+def test_greedy_tokens_are_the_same_with_and_without_the_cache_past_block_size(attn, heads):
+    gpt = context_sensitive_gpt(attn, **(GQA_WINDOW if heads == "gqa+window" else {}))
     # 5 + 20 tokens: a prefill, 11 single-token steps, then 8 steps past block_size=16.
     without = gpt.generate(prompt(), max_new_tokens=20, top_k=1, kv_cache=False)
     with_cache = gpt.generate(prompt(), max_new_tokens=20, top_k=1, kv_cache=True)
@@ -40,30 +49,78 @@ def test_greedy_tokens_are_the_same_with_and_without_the_cache_past_block_size(a
     assert all(len(set(row[5:].tolist())) > 10 for row in without)
 
 
-def test_the_prefill_is_causal_and_each_step_sees_the_cached_keys_up_to_its_own(monkeypatch):
+def test_the_window_changes_what_the_cached_decode_draws():
+    # The cached tokens of a windowed model differ from those of the same weights without the
+    # window: the decode steps do hide the keys before the window (else both would agree).
+    windowed = context_sensitive_gpt("eager", **GQA_WINDOW).generate(prompt(), max_new_tokens=10, top_k=1)
+    unbounded = context_sensitive_gpt("eager", **{**GQA_WINDOW, "window": -1}).generate(prompt(), max_new_tokens=10,
+                                                                                        top_k=1)
+    assert not torch.equal(windowed, unbounded)
+
+
+def recorder(real, name, seen, describe):
+    """real, wrapped to append describe(its bound arguments) to seen at each call."""
+    signature = inspect.signature(real)
+
+    def recording(*args, **kwargs):
+        bound = signature.bind(*args, **kwargs)
+        bound.apply_defaults()
+        seen.append((name, *describe(bound.arguments)))
+        return real(*args, **kwargs)
+    return recording
+
+
+@pytest.mark.parametrize("heads", ["multi-head", "gqa+window"])
+def test_the_prefill_is_causal_and_each_step_sees_the_cached_keys_up_to_its_own(monkeypatch, heads):
+    overrides = GQA_WINDOW if heads == "gqa+window" else {}
+    n_head, n_kv_head, window = overrides.get("n_head", 2), overrides.get("n_kv_head", 2), overrides.get("window", -1)
     seen = []
-    real_attention, real_decode_attention = model_module.packed_attention, model_module.decode_attention
-
-    def recording_attention(qkv, is_causal, backend):
-        seen.append(("attention", qkv.shape[1], is_causal))
-        return real_attention(qkv, is_causal=is_causal, backend=backend)
-
-    def recording_decode_attention(qkv, k_cache, v_cache, pos, backend):
-        seen.append(("decode", qkv.shape[1], k_cache.shape[-2], pos.item()))
-        return real_decode_attention(qkv, k_cache, v_cache, pos, backend=backend)
-
-    monkeypatch.setattr(model_module, "packed_attention", recording_attention)
-    monkeypatch.setattr(model_module, "decode_attention", recording_decode_attention)
-    gpt = context_sensitive_gpt("sdpa")
+    monkeypatch.setattr(model_module, "attention", recorder(
+        model_module.attention, "attention", seen,
+        lambda a: (a["q"].shape[1:3], a["k"].shape[1:3], a["v"].shape[1:3], a["is_causal"], a["window_size"])))
+    monkeypatch.setattr(model_module, "decode_attention", recorder(
+        model_module.decode_attention, "decode", seen,
+        lambda a: (a["q"].shape[1:3], a["k"].shape[1:3], a["k_cache"].shape[1:3], a["v_cache"].shape[1:3],
+                   a["pos"].item(), a["window_size"])))
+    gpt = context_sensitive_gpt("sdpa", **overrides)
     gpt.generate(prompt(length=14), max_new_tokens=4, top_k=1)
     calls = seen[::2]  # layer 0 of each step; layer 1 makes the same call
     assert seen[1::2] == calls
+    H, H_kv, left = n_head, n_kv_head, window
     assert calls == [
-        ("attention", 14, True),  # prefill: queries and keys are the same 14 tokens
-        ("decode", 1, 16, 14),    # the new token goes in at position 14 and sees keys [0, 14]
-        ("decode", 1, 16, 15),    # the cache is now full (block_size=16)
-        ("attention", 16, True),  # so it is refilled from the last 16 tokens
+        # prefill: queries and keys are the same 14 tokens, H query heads against H_kv kv heads
+        ("attention", (H, 14), (H_kv, 14), (H_kv, 14), True, (left, 0)),
+        # the new token goes in at position 14 of the (H_kv, block_size) cache and sees keys [14 - left, 14]
+        ("decode", (H, 1), (H_kv, 1), (H_kv, 16), (H_kv, 16), 14, (left, 0)),
+        ("decode", (H, 1), (H_kv, 1), (H_kv, 16), (H_kv, 16), 15, (left, 0)),  # the cache is now full
+        ("attention", (H, 16), (H_kv, 16), (H_kv, 16), True, (left, 0)),  # so it is refilled from the last 16 tokens
     ]
+
+
+def cache_bytes(cache):
+    return sum(t.numel() * t.element_size() for layer in cache.layers for t in layer)
+
+
+@pytest.mark.parametrize("n_kv_head", [8, 4, 2, 1])
+def test_the_cache_holds_n_kv_head_heads(n_kv_head):
+    # n_layer * (k and v) * B * n_kv_head * block_size * head_dim values of 4 bytes (float32).
+    gpt = GPT(GPTConfig(block_size=16, vocab_size=64, n_layer=3, n_head=8, n_kv_head=n_kv_head, n_embd=64))
+    cache = gpt.new_cache(batch_size=5)
+    assert len(cache.layers) == 3
+    assert all(t.shape == (5, n_kv_head, 16, 8) for layer in cache.layers for t in layer)
+    assert cache_bytes(cache) == 3 * 2 * 5 * n_kv_head * 16 * 8 * 4
+    # generate's own cache is the same
+    gpt.eval().generate(torch.randint(0, 64, (5, 3)), max_new_tokens=2, top_k=1)
+    assert cache_bytes(gpt.generate_decoder.cache) == cache_bytes(cache)
+
+
+def test_grouped_query_heads_at_four_queries_per_kv_head_cache_a_quarter_of_the_bytes():
+    config = dict(block_size=64, vocab_size=64, n_layer=2, n_head=8, n_embd=128)
+    multi_head = GPT(GPTConfig(**config)).new_cache(batch_size=2, dtype=torch.bfloat16)
+    grouped = GPT(GPTConfig(**config, n_kv_head=2)).new_cache(batch_size=2, dtype=torch.bfloat16)
+    assert cache_bytes(multi_head) == 2 * 2 * 2 * 8 * 64 * 16 * 2  # n_kv_head defaults to n_head
+    assert cache_bytes(grouped) == 2 * 2 * 2 * 2 * 64 * 16 * 2
+    assert cache_bytes(grouped) * 4 == cache_bytes(multi_head)
 
 
 def test_a_filled_cache_takes_one_token_and_stops_at_block_size():
@@ -101,7 +158,8 @@ def test_sample_benchmark_prints_a_row_per_backend(trained_out_dir):
     lines = result.stdout.splitlines()
     assert lines[0].startswith("decode: batch 2, 1-token prompt, 2 new tokens, block_size 64, cpu")
     assert lines[1].split() == ["attn", "no", "cache", "tok/s", "kv", "cache", "tok/s", "speedup"]
-    assert [line.split()[0] for line in lines[2:]] == list(BACKENDS)
+    # On the CPU the Triton backends are left out (the interpreter would time numpy, slowly).
+    assert [line.split()[0] for line in lines[2:]] == [b for b in BACKENDS if b not in ("triton", "triton_fwd")]
     for line in lines[2:]:
         _, no_cache, cached, speedup = line.split()
         assert float(no_cache.replace(",", "")) > 0 and float(cached.replace(",", "")) > 0 and speedup.endswith("x")

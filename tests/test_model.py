@@ -1,11 +1,16 @@
-"""model.py: causality, backend agreement, the q/k/v layout handed to attention, sampling."""
+"""model.py: causality and the window's reach, backend agreement (a grouped-query, windowed
+model trains alike on every backend), the q/k/v views handed to attention, one compiled graph,
+the configuration checks, sampling."""
 import pytest
 import torch
-from functorch.compile import make_boxed_func
-from torch._dynamo.backends.common import aot_autograd
 
 import model as model_module
+from attention import BACKENDS
 from model import GPT, GPTConfig
+from test_kv_cache import GQA_WINDOW
+# These import triton: after attention, which picks the interpreter on a machine without a GPU.
+from functorch.compile import make_boxed_func  # noqa: E402
+from torch._dynamo.backends.common import aot_autograd  # noqa: E402
 
 
 def small_gpt(attn="eager", seed=0, **overrides):
@@ -38,6 +43,22 @@ def test_changing_a_future_token_never_changes_earlier_logits(attn):
     assert not torch.allclose(logits[:, changed_at:], logits2[:, changed_at:])
 
 
+@pytest.mark.parametrize("attn", BACKENDS)
+def test_a_token_reaches_no_further_than_the_window_lets_it(attn):
+    # Each layer lets a position see the window=3 keys before it, so after n_layer=2 layers a
+    # token reaches the 2 * 3 positions after its own and no further: changing token 4 changes
+    # the logits at positions 4 to 10 and leaves every other position's logits exactly as they were.
+    gpt = small_gpt(attn, n_head=4, n_kv_head=2, window=3).eval()
+    idx = random_tokens()
+    idx2 = idx.clone()
+    idx2[:, 4] = (idx2[:, 4] + 1234) % 50257
+    with torch.no_grad():
+        logits, _ = gpt(idx, targets=idx)
+        logits2, _ = gpt(idx2, targets=idx2)
+    assert torch.equal(logits[:, :4], logits2[:, :4]) and torch.equal(logits[:, 11:], logits2[:, 11:])
+    assert all(not torch.allclose(logits[:, t], logits2[:, t]) for t in range(4, 11))
+
+
 def test_eager_and_sdpa_give_the_same_logits_and_gradients():
     results = {}
     for attn in ("eager", "sdpa"):
@@ -53,8 +74,9 @@ def test_eager_and_sdpa_give_the_same_logits_and_gradients():
         torch.testing.assert_close(sdpa_grads[name], eager_grads[name], rtol=1e-9, atol=1e-12, msg=name)
 
 
-@pytest.mark.parametrize("attn", ["triton", "triton_fwd", "tiled"])
-def test_a_compiled_model_matches_the_plain_model(attn):
+@pytest.mark.parametrize("attn, overrides", [
+    ("triton", {}), ("triton_fwd", {}), ("tiled", {}), ("triton", dict(n_head=4, n_kv_head=2, window=5))])
+def test_a_compiled_model_matches_the_plain_model(attn, overrides):
     """The Triton backends are custom operators, so torch.compile traces the whole model as one
     graph (fullgraph=True fails on any graph break); tiled, a Python loop, may break the graph.
     Compiled, the logits, loss and every gradient are those of the plain model. aot_eager runs
@@ -62,7 +84,7 @@ def test_a_compiled_model_matches_the_plain_model(attn):
     idx = random_tokens(length=12) % 100
     results = []
     for compiled in (False, True):
-        gpt = small_gpt(attn, vocab_size=100, n_embd=64)
+        gpt = small_gpt(attn, vocab_size=100, n_embd=64, **overrides)
         run = torch.compile(gpt, backend="aot_eager", fullgraph=attn != "tiled") if compiled else gpt
         logits, loss = run(idx, targets=idx)
         loss.backward()
@@ -73,6 +95,32 @@ def test_a_compiled_model_matches_the_plain_model(attn):
     for name, grad in grads.items():
         torch.testing.assert_close(grads_compiled[name], grad, rtol=1e-4, atol=1e-5, msg=name)
     assert grads["transformer.h.0.attn.c_attn.weight"].abs().sum() > 0
+
+
+def test_a_compiled_triton_model_is_one_graph_with_an_opaque_kernel_call_per_layer():
+    """Dynamo hands over one graph (fullgraph=True would fail on a break), which AOT autograd
+    splits into one forward and one backward: the forward calls nanofa2::flash_forward once
+    per layer, the backward nanofa2::flash_backward once per layer, each an opaque node that
+    runs the kernel (through the interpreter here)."""
+    graphs = []
+
+    def record(kind):
+        def compiler(graph, example_inputs):
+            graphs.append((kind, [node.target for node in graph.graph.nodes if node.op == "call_function"]))
+            return make_boxed_func(graph.forward)
+        return compiler
+
+    gpt = small_gpt("triton", vocab_size=100, n_layer=3, n_head=4, n_kv_head=2, window=5)
+    idx = random_tokens(length=12) % 100
+    _, loss = torch.compile(gpt, backend=aot_autograd(fw_compiler=record("forward"), bw_compiler=record("backward")),
+                            fullgraph=True)(idx, targets=idx)
+    loss.backward()
+    assert [kind for kind, _ in graphs] == ["forward", "backward"]
+    ops = torch.ops.nanofa2
+    (_, forward), (_, backward) = graphs
+    assert forward.count(ops.flash_forward.default) == 3 and ops.flash_backward.default not in forward
+    assert backward.count(ops.flash_backward.default) == 3 and ops.flash_forward.default not in backward
+    assert all(p.grad is not None and p.grad.abs().sum() > 0 for p in gpt.parameters())
 
 
 def test_a_compiled_backward_takes_no_gradient_for_the_training_logits():
@@ -98,23 +146,32 @@ def test_a_compiled_backward_takes_no_gradient_for_the_training_logits():
     assert tangents == [["tangents_1"]]  # the loss's gradient only
 
 
-def test_training_hands_attention_the_fused_projection(monkeypatch):
+@pytest.mark.parametrize("heads", ["multi-head", "gqa+window"])
+def test_training_hands_attention_views_of_the_fused_projection(monkeypatch, heads):
+    overrides = dict(GQA_WINDOW, n_embd=64) if heads == "gqa+window" else {}
+    H, H_kv, D = (4, 2, 16) if overrides else (2, 2, 16)
+    window = overrides.get("window", -1)
     seen = []
-    real_packed_attention = model_module.packed_attention
+    real_attention = model_module.attention
 
-    def recording_packed_attention(qkv, is_causal, backend):
-        seen.append((qkv, is_causal, backend))
-        return real_packed_attention(qkv, is_causal=is_causal, backend=backend)
+    def recording_attention(q, k, v, is_causal=False, backend="triton", window_size=(-1, -1)):
+        seen.append((q, k, v, is_causal, backend, window_size))
+        return real_attention(q, k, v, is_causal=is_causal, backend=backend, window_size=window_size)
 
-    monkeypatch.setattr(model_module, "packed_attention", recording_packed_attention)
-    gpt = small_gpt("sdpa")
+    monkeypatch.setattr(model_module, "attention", recording_attention)
+    gpt = small_gpt("sdpa", **overrides)
     gpt(random_tokens(batch=3, length=10))
     assert len(seen) == 2  # one call per layer
-    qkv, is_causal, backend = seen[0]
-    assert (is_causal, backend) == (True, "sdpa")
-    assert qkv.shape == (3, 10, 3, 2, 16)  # (B, T, 3, H, D): q, k, v = qkv.unbind(2)
-    assert qkv.is_contiguous()  # a view of the c_attn output, not a copy
-    assert qkv._base is not None
+    q, k, v, is_causal, backend, window_size = seen[0]
+    assert (is_causal, backend, window_size) == (True, "sdpa", (window, 0))
+    assert q.shape == (3, H, 10, D) and k.shape == v.shape == (3, H_kv, 10, D)
+    # (B, H, T, D) views of the c_attn output (B, T, H + 2 * H_kv, D), not copies: q's heads
+    # first, then k's, then v's, one storage.
+    width = (H + 2 * H_kv) * D
+    assert q.stride() == k.stride() == v.stride() == (10 * width, D, width, 1)
+    assert q.untyped_storage().data_ptr() == k.untyped_storage().data_ptr() == v.untyped_storage().data_ptr()
+    assert (k.data_ptr() - q.data_ptr(), v.data_ptr() - q.data_ptr()) == tuple(
+        n * D * q.element_size() for n in (H, H + H_kv))
 
 
 def test_unknown_backend_is_rejected_with_the_valid_ones():
@@ -146,3 +203,65 @@ def test_generate_crops_to_block_size_and_never_draws_padding_ids():
     out = gpt.generate(random_tokens(batch=1, length=5), max_new_tokens=30, top_k=None)
     assert out.shape == (1, 35)  # ran past block_size=16 by cropping the context
     assert int(out.max()) < 50257
+
+
+@pytest.mark.parametrize("overrides, message", [
+    (dict(n_head=4, n_kv_head=3), "n_kv_head=3 must divide n_head=4"),
+    (dict(n_head=4, n_kv_head=8), "n_kv_head=8 must divide n_head=4"),
+    (dict(n_head=4, n_kv_head=-1), "n_kv_head=-1 must divide n_head=4"),
+    (dict(window=-2), "window=-2 must be -1 .no window. or an int >= 0"),
+    (dict(n_head=3), "n_embd=32 must be divisible by n_head=3"),
+])
+def test_a_configuration_the_attention_cannot_run_is_refused(overrides, message):
+    with pytest.raises(ValueError, match=message):
+        small_gpt(**overrides)
+
+
+def test_n_kv_head_defaults_to_n_head_and_the_projection_holds_the_kv_heads():
+    assert GPTConfig(n_head=6).n_kv_head == 6
+    assert GPTConfig().n_kv_head == GPTConfig().n_head == 12 and GPTConfig().window == -1
+    assert GPTConfig(window=7).window_size == (7, 0) and GPTConfig().window_size == (-1, 0)
+    # q has n_head heads, k and v n_kv_head each: (4 + 2 * 1) * 8 output features of 32 inputs.
+    gpt = small_gpt(n_head=4, n_kv_head=1)
+    assert gpt.transformer.h[0].attn.c_attn.weight.shape == (48, 32)
+
+
+# A grouped-query (two query heads per kv head), windowed (5 keys before each query, of 32)
+# model, trained from one initialisation on one batch by each backend.
+def train_gqa_window_model(attn, steps=5):
+    gpt = small_gpt(attn, block_size=32, vocab_size=128, n_embd=64, bias=False, **GQA_WINDOW)
+    optimizer = gpt.configure_optimizers(0.1, 1e-2, (0.9, 0.95), "cpu")
+    tokens = torch.randint(0, 128, (2, 33), generator=torch.Generator().manual_seed(1))
+    x, y = tokens[:, :-1].contiguous(), tokens[:, 1:].contiguous()
+    losses, first_grads = [], None
+    for _ in range(steps):
+        _, loss = gpt(x, targets=y)
+        optimizer.zero_grad(set_to_none=True)
+        loss.backward()
+        first_grads = first_grads or {name: p.grad.clone() for name, p in gpt.named_parameters()}
+        optimizer.step()
+        losses.append(loss.item())
+    return losses, first_grads
+
+
+@pytest.fixture(scope="module")
+def gqa_window_training():
+    return {attn: train_gqa_window_model(attn) for attn in BACKENDS}
+
+
+@pytest.mark.xdist_group("gqa_window_training")  # the module fixture trains once, on one worker
+@pytest.mark.parametrize("attn", BACKENDS)
+def test_a_grouped_query_windowed_model_trains_alike_on_every_backend(gqa_window_training, attn):
+    """Every backend computes the same float32 function, in another order of additions: the
+    first step's gradients agree to float32 rounding (about 5e-7 of each gradient's largest
+    entry measured; 2e-5 allowed), and so do the losses after five AdamW steps (about 4e-7
+    relative measured; 1e-5 allowed). Adam divides each update by the gradient's own size, so a
+    rounding difference does not grow by the learning rate (1e-2) over so few steps."""
+    losses, grads = gqa_window_training[attn]
+    eager_losses, eager_grads = gqa_window_training["eager"]
+    assert losses[-1] < losses[0] - 1.0  # it learns the batch
+    torch.testing.assert_close(torch.tensor(losses), torch.tensor(eager_losses), rtol=1e-5, atol=0)
+    for name, grad in grads.items():
+        scale = eager_grads[name].abs().max()
+        assert scale > 0, name
+        torch.testing.assert_close(grad, eager_grads[name], rtol=0, atol=2e-5 * scale, msg=name)
