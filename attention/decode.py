@@ -1,39 +1,34 @@
 """Attention for one decoding step against a static KV cache, on every backend.
 
-    from attention import decode_attention
     y = decode_attention(q, k, v, k_cache, v_cache, pos, window_size=(-1, -1), backend="triton")
 
 q is the new token's query, (B, H, 1, D); k and v its key and value, (B, H_kv, 1, D) (views of
-the model's fused projection, any strides). k_cache and v_cache are (B, H_kv, S, D): the whole
-preallocated cache, S = block_size. pos is an int64 tensor of shape (1,) on q's device: the new
-token's position, the same in every sequence, 0 <= pos < S. A step stores the token's key and
-value at row pos of the caches (in place), then its query attends over the cached keys
-[pos - left, pos], its own the last; every one is in its past, so there is no causal mask, and
-a window's right side does not matter. It returns (B, H, 1, D). Rows of the cache past pos are
-never read into the result, whatever they hold (stale keys and values, NaN).
+the model's fused projection). k_cache and v_cache are (B, H_kv, S, D): the whole preallocated
+cache, S = block_size. pos is an int64 tensor of shape (1,) on q's device: the new token's
+position in every sequence, 0 <= pos < S. A step stores the token's key and value at row pos of
+the caches (in place), then its query attends over the cached keys [pos - left, pos], all in its
+past (so no causal mask, and a window's right side does not matter). It returns (B, H, 1, D).
+Rows of the cache outside those keys never reach the result, whatever they hold (stale keys and
+values, NaN).
 
-Why the whole cache and a position on the device, rather than k_cache[:, :, :n]: the step then
-has the same shapes whatever the cache holds, so torch.compile compiles it once, a CUDA graph
-can replay it, and no backend meets a new shape at each token. Why the store is in here: the
-triton backend makes it inside its kernel (triton_decode.py), sparing a compiled step the
-kernels that would write the cache. The others store with index_copy_, then eager and sdpa mask
-keys outside the window, and tiled masks them tile by tile.
+Why the whole cache and a position on the device, rather than k_cache[:, :, :n]: the step has
+the same shapes whatever the cache holds, so torch.compile compiles it once, a CUDA graph can
+replay it, and no backend meets a new shape at each token. The triton backend stores the token
+inside its kernel (triton_decode.py); the others store with index_copy_, then mask.
 """
-import functools
 import math
 
 import torch
 import torch.nn.functional as F
 
 from .eager import masked_attention_with_lse, window_bounds
-from .inputs import check_inputs, check_mask, check_tensor, check_triton_inputs
+from .inputs import BACKENDS, check_inputs, check_tensor, check_triton_inputs
 from .tiled import online_softmax_update
 from .triton_decode import triton_decode_attention
 
 
 def check_decode_inputs(q, k, v, k_cache, v_cache, pos, window_size):
-    check_inputs(q, k, v, False)
-    check_mask(False, window_size)
+    check_inputs(q, k, v, False, window_size)
     if q.dim() != 4 or q.shape[2] != 1:
         raise ValueError(f"q must have shape (B, H, 1, D), one new token per sequence, got shape {tuple(q.shape)}")
     B, H_kv, _, D = k.shape
@@ -53,10 +48,9 @@ def check_decode_inputs(q, k, v, k_cache, v_cache, pos, window_size):
 
 
 def check_position(pos, device, n_cache):
-    """pos: an int64 tensor of shape (1,) on device, in [0, n_cache). Its value is checked where
-    the host can read it without breaking a compiled graph or a CUDA graph capture (which is where
-    the model decodes on a GPU); there a bad value is the caller's bug, and the triton kernel
-    clamps it into the cache rather than write outside it."""
+    """pos: an int64 tensor of shape (1,) on device, in [0, n_cache): its value checked wherever
+    the host can read it without breaking a compiled graph or a CUDA graph capture; inside those
+    the triton kernel clamps it into the cache rather than write outside it."""
     if not isinstance(pos, torch.Tensor) or pos.dtype != torch.int64:
         raise ValueError(f"pos must be an int64 torch.Tensor (the new token's position), got {pos!r}")
     if pos.device != device:
@@ -89,9 +83,8 @@ def eager_decode_attention(q, k_cache, v_cache, visible):
 
 
 def tiled_decode_attention(q, k_cache, v_cache, visible, tile_size=64):
-    """tiled.py's online softmax for one query row: walk the cache in key tiles, each folded
-    into the running (m_i, l_i, acc) by tiled.online_softmax_update. S is static, so every tile
-    is visited, masked outside visible (tile 0 or a later one always holds the new key)."""
+    """tiled.py's online softmax for one query row over the cache's key tiles. S is static, so
+    every tile is visited, masked outside visible."""
     compute = torch.float64 if q.dtype == torch.float64 else torch.float32
     q_row = (q.to(compute) / math.sqrt(q.shape[-1])).unflatten(1, (k_cache.shape[1], -1))  # (B, H_kv, G, 1, D)
     m_i = torch.full(q_row.shape[:-1], float("-inf"), dtype=compute, device=q.device)
@@ -107,38 +100,29 @@ def tiled_decode_attention(q, k_cache, v_cache, visible, tile_size=64):
 
 
 def sdpa_decode_attention(q, k_cache, v_cache, visible):
-    enable_gqa = q.shape[1] != k_cache.shape[1]
-    return F.scaled_dot_product_attention(q, k_cache, v_cache.masked_fill(~visible.mT, 0.0), attn_mask=visible,
-                                          enable_gqa=enable_gqa)
-
-
-def store_then_attend(q, k, v, k_cache, v_cache, pos, left, attend):
-    """eager, tiled and sdpa: store the new key and value with index_copy_, then attend."""
-    store_in_cache(k, v, k_cache, v_cache, pos)
-    return attend(q, k_cache, v_cache, cached_keys(pos, left, k_cache.shape[2]))
+    """sdpa adds its mask to the scores, so a NaN key it hides would still give NaN: the hidden
+    keys are zeroed as well as the hidden values."""
+    hidden = ~visible.mT
+    return F.scaled_dot_product_attention(q, k_cache.masked_fill(hidden, 0.0), v_cache.masked_fill(hidden, 0.0),
+                                          attn_mask=visible, enable_gqa=q.shape[1] != k_cache.shape[1])
 
 
 def triton_kernel_decode_attention(q, k, v, k_cache, v_cache, pos, left):
-    check_triton_inputs(q, k_cache, v_cache, names=("q", "k_cache", "v_cache"))
+    check_triton_inputs(q, k, v, k_cache, v_cache)
     if torch.is_grad_enabled() and any(t.requires_grad for t in (q, k, v, k_cache, v_cache)):
         raise ValueError("decode_attention with the triton backends computes no gradient: call it under "
                          "torch.no_grad() (generation), or use eager, tiled or sdpa for gradients")
     return triton_decode_attention(q, k, v, k_cache, v_cache, pos, left)
 
 
-# triton and triton_fwd differ only in their backward; a decode step has none.
-_DECODE_FUNCTIONS = {
-    "eager": functools.partial(store_then_attend, attend=eager_decode_attention),
-    "tiled": functools.partial(store_then_attend, attend=tiled_decode_attention),
-    "triton": triton_kernel_decode_attention,
-    "triton_fwd": triton_kernel_decode_attention,
-    "sdpa": functools.partial(store_then_attend, attend=sdpa_decode_attention),
-}
-
-
 def decode_attention(q, k, v, k_cache, v_cache, pos, window_size=(-1, -1), backend="triton"):
-    if backend not in _DECODE_FUNCTIONS:
-        raise ValueError(f"backend={backend!r} is not one of {tuple(_DECODE_FUNCTIONS)}")
+    if backend not in BACKENDS:
+        raise ValueError(f"backend={backend!r} is not one of {BACKENDS}")
     check_decode_inputs(q, k, v, k_cache, v_cache, pos, window_size)
     left, _ = window_bounds(False, window_size)
-    return _DECODE_FUNCTIONS[backend](q, k, v, k_cache, v_cache, pos, left)
+    if backend in ("triton", "triton_fwd"):  # they differ only in their backward; a decode step has none
+        return triton_kernel_decode_attention(q, k, v, k_cache, v_cache, pos, left)
+    # eager, tiled and sdpa: store the new key and value with index_copy_, then attend.
+    store_in_cache(k, v, k_cache, v_cache, pos)
+    attend = {"eager": eager_decode_attention, "tiled": tiled_decode_attention, "sdpa": sdpa_decode_attention}
+    return attend[backend](q, k_cache, v_cache, cached_keys(pos, left, k_cache.shape[2]))

@@ -2,8 +2,8 @@
 
     O = softmax(Q K^T / sqrt(D), over the keys each query sees) V
 
-The whole N_q x N_k score matrix is in memory, and autograd keeps the probabilities of every
-layer for the backward pass: the memory FlashAttention saves. The tests run this in float64.
+The whole N_q x N_k score matrix is in memory, and autograd keeps the probabilities for the
+backward pass: the memory FlashAttention saves. The tests run this in float64.
 
 Which keys a query sees, in every backend:
 - Causal, top-left (as torch's scaled_dot_product_attention): query i sees key j when j <= i,
@@ -13,8 +13,7 @@ Which keys a query sees, in every backend:
   leaves that side unbounded. Causal is right = 0.
 - Grouped-query attention: q has H heads, k and v have H_kv, a divisor of H. Query head h reads
   kv head h // (H // H_kv), as sdpa's enable_gqa does; H_kv = 1 is multi-query attention.
-A query that sees no key (a window that ends before the keys do, or N_k = 0) gets O = 0 and
-lse = -inf.
+A query that sees no key (a window past the last key, or N_k = 0) gets O = 0, lse = -inf.
 """
 import math
 

@@ -1,8 +1,8 @@
-"""What callers hand to attention(): checks that give a clear ValueError naming the argument,
-instead of a kernel fault or silent garbage. Every backend runs check_inputs; the Triton kernels
-also run check_triton_inputs for the limits of the kernels themselves."""
+"""Checks of what callers hand to attention(): a clear ValueError naming the argument, never a
+kernel fault or silent garbage. Every backend runs check_inputs; the Triton ones check_triton_inputs."""
 import torch
 
+BACKENDS = ("eager", "tiled", "triton", "triton_fwd", "sdpa")
 TRITON_DTYPES = (torch.float16, torch.bfloat16, torch.float32)
 # The float8 types are floating point too, but no backend computes in them.
 DTYPES = (torch.float16, torch.bfloat16, torch.float32, torch.float64)
@@ -59,17 +59,16 @@ def check_tensor(name, t):
                          "values (on the CPU or a GPU)")
 
 
-def check_triton_inputs(q, k, v, names=("q", "k", "v")):
-    """The Triton kernels' own limits, beyond check_inputs. names: what the caller calls q, k
-    and v (decode.py: the new token's and the two caches)."""
+def check_triton_inputs(q, *others, names=("q", "k", "v", "k_cache", "v_cache")):
+    """The Triton kernels' own limits, beyond check_inputs: q's dtype and head dim, and every
+    tensor's unit stride along D (others: k and v, and decode's caches)."""
     if q.dtype not in TRITON_DTYPES:
-        raise ValueError(f"{names[0]} has dtype {q.dtype}; the Triton kernels take "
-                         f"{', '.join(map(str, TRITON_DTYPES))}")
+        raise ValueError(f"q has dtype {q.dtype}; the Triton kernels take {', '.join(map(str, TRITON_DTYPES))}")
     head_dim = q.shape[-1]
     if head_dim % 8 or head_dim > TRITON_MAX_HEAD_DIM:
-        raise ValueError(f"{names[0]} has head dim D={head_dim}; the Triton kernels take a multiple of 8 up to "
+        raise ValueError(f"q has head dim D={head_dim}; the Triton kernels take a multiple of 8 up to "
                          f"{TRITON_MAX_HEAD_DIM} (the eager, tiled and sdpa backends take any D)")
-    for name, t in zip(names, (q, k, v)):
+    for name, t in zip(names, (q, *others)):
         if t.stride(-1) != 1:
             raise ValueError(f"{name} has last-dim stride {t.stride(-1)}; the Triton kernels need stride 1 "
                              f"along D (pass {name}.contiguous())")

@@ -3,13 +3,10 @@ card path runs (the consumer-card switch), and the tile configs that fit a card,
 triton.autotune. What runs inside the kernels is triton_tiles.py, triton_forward.py and
 triton_backward.py.
 
-The consumer-card path. NANOFA2_ADA=1 runs, on any card, the path an RTX 4070 Super (Ada,
-sm_89) takes: no Hopper kernels (hopper/), no TMA configs, shared memory capped at Ada's 99 KB
-per block, and Triton's Ampere-class tensor-core instructions (mma.sync; attention/__init__.py
-sets DISABLE_MMA_V3=1 before Triton loads). On an H200 that is the nearest we can come to the
-card: the H200 still fits two 99 KB blocks on an SM where Ada fits one, its bandwidth and
-clocks differ, and GeForce cards run fp32-accumulating MMA at half their fp16-accumulating
-rate, which the H200 does not.
+The consumer-card path: NANOFA2_ADA=1 runs, on any card, the path an RTX 4070 Super (Ada,
+sm_89) takes: no Hopper kernels, no TMA configs, shared memory capped at Ada's 99 KB a block,
+and Ampere-class mma.sync (attention/__init__.py sets DISABLE_MMA_V3=1). docs/learn.md says
+how far that is from the card itself.
 """
 import functools
 import os
@@ -36,11 +33,7 @@ TIMED_CONFIGS = 3  # a kernel's configs are listed best first; the tuner times t
 
 def as_4d(t):
     """(..., H, N, D) -> a (B, H, N, D) view (a copy only when the leading dims cannot be viewed)."""
-    if t.dim() == 4:
-        return t
-    if t.dim() < 4:
-        return t.reshape((1,) * (4 - t.dim()) + t.shape)
-    return t.reshape(-1, *t.shape[-3:])
+    return t.reshape((1,) * (4 - t.dim()) + t.shape) if t.dim() < 4 else t.reshape(-1, *t.shape[-3:])
 
 
 def dense_strides(t):
@@ -57,9 +50,9 @@ def dense_strides(t):
     return tuple(strides)
 
 
-def new_like(t, dtype=None):
+def new_like(t):
     """An empty tensor shaped like t, in t's memory order (dense_strides)."""
-    return torch.empty_strided(t.shape, dense_strides(t), dtype=dtype or t.dtype, device=t.device)
+    return torch.empty_strided(t.shape, dense_strides(t), dtype=t.dtype, device=t.device)
 
 
 def descriptor_ready(t):
@@ -127,12 +120,10 @@ def l2_bytes(device):
 
 
 def heads_first(k, n_heads):
-    """Whether the kernels' grid puts the heads along x (triton_tiles.program_tile_and_head), so
-    that the longest tiles of every head start first: when the keys and values of all heads,
-    which every program streams, fit in half the L2. That is the model's case, where a grid is
-    one or two waves of programs. Beyond that (the paper's shapes), programs of many heads at
-    once evict each other's tiles, and one head's tiles together are faster. Also whenever the
-    heads (n_heads: the grid's count of them) exceed what the grid's y dimension holds."""
+    """Whether the grid puts the heads along x (triton_tiles.program_tile_and_head), so that the
+    longest tiles of every head start first: when all heads' keys and values fit in half the L2
+    (the model's case, a grid of one or two waves). Beyond that (the paper's shapes), programs of
+    many heads at once evict each other's tiles. Also when n_heads exceeds the grid's y limit."""
     return 2 * k.numel() * k.element_size() <= l2_bytes(k.device) // 2 or n_heads > GRID_Y_LIMIT
 
 

@@ -1,22 +1,17 @@
 """Which tiles a FlashAttention program visits, and the mask inside a tile: a mask is a tile bound.
 
 A program holds one tile of rows (queries in the forward and the dQ pass, keys in the dK/dV
-pass) and walks the tiles of the other side that its rows can see. With a window (left, right)
-(eager.py; causal is right = 0, full attention has both sides UNBOUNDED) each tile of the other
-side is one of three kinds:
+pass) and walks the tiles of the other side that its rows can see. Under a window (left, right)
+(eager.py; causal is right = 0, full attention is both sides UNBOUNDED) each of those is:
 - skipped: no row of the program's tile sees any of it; never loaded;
 - full: every row sees every one of its keys; no mask needed;
-- masked: some rows see some of its keys (it crosses the diagonal or a window's edge, or runs
-  past the last key); the scores get visible_in_tile.
-The tiles a program visits are one run: masked, then full, then masked, given by four numbers,
-(start, full_start, full_end, end): tiles starting in [start, full_start) and [full_end, end)
-need the mask, those in [full_start, full_end) do not. Causal attention has no masked tiles at
-the start; full attention has masked tiles only past the last key.
-
-tiled.py and tiled_backward.py use these; the Triton kernels state the same rules as
-@triton.jit helpers of the same names (triton_tiles.py), and the tests check both against
-eager.visible_keys. A tile is taken at its nominal size: rows past the end of a sequence are
-computed and never stored.
+- masked: some rows see some of it (it crosses the diagonal or a window's edge, or runs past the
+  last key); the scores get visible_in_tile.
+The tiles a program visits are one run, masked, then full, then masked, given by four numbers
+(start, full_start, full_end, end). tiled.py and tiled_backward.py use these; the kernels state
+the same rules as @triton.jit helpers of the same names (triton_tiles.py), and the tests check
+both against eager.visible_keys. A tile is taken at its nominal size: rows past the end of a
+sequence are computed and never stored.
 """
 import torch
 

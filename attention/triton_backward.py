@@ -3,26 +3,23 @@ dK, dV together, with no atomics.
 
 1. _attn_bwd_delta: delta = rowsum(dO * O) for every query row, which both jobs below need.
 2. _attn_bwd: each program does one of two jobs, chosen by its index.
-   - dK, dV: the first programs each hold one K/V tile of one (batch, kv head) and stream past
-     it the query tiles that see it, of every query head that reads this kv head (GROUP of
-     them: grouped-query attention), accumulating dK and dV in float32 registers.
-   - dQ: the others each hold one query tile and stream the K/V tiles it sees (the forward's
+   - dK, dV (_dkdv): a program holds one K/V tile of one (batch, kv head) and streams past it
+     the query tiles that see it, of every query head that reads this kv head (GROUP of them),
+     accumulating dK and dV in float32 registers.
+   - dQ (_dq): a program holds one query tile and streams the K/V tiles it sees (the forward's
      schedule), accumulating dQ.
-   Why one launch for both: given delta the two jobs are independent, and at the model's
-   shapes (a few hundred programs, each a short loop) the GPU is far from full. Launched one
-   after the other, the second kernel waits for the first one's slowest program; launched
-   together, the two jobs' programs run side by side.
+   Given delta the two jobs are independent, and at the model's shapes (a few hundred programs,
+   each a short loop) the GPU is far from full: launched together, their programs run side by
+   side, where one launch after the other would wait for the first one's slowest program.
 
 Neither job stores P: both recompute it from the saved logsumexp, P = exp2(S*log2e - lse*log2e).
-Splitting dQ from dK/dV costs two more matrix multiplies per tile pair (S = Q K^T and dP again:
-seven, not five) but lets every program own its output tile: no atomic adds, the same result on
-every run, and a kernel the tuner may run several times. FlashAttention-2 and -3 add dQ up
-with atomics from the dK/dV programs instead; on the H200 that was slower at head dim 128 and
-within a few percent at 64, so the split stays (docs/optimisation.md). The exception is Hopper
-at long sequences, where hopper/backward.py's warp-specialised kernel measured faster.
+Splitting dQ from dK/dV costs two more matrix multiplies per tile pair (seven, not five) but
+every program owns its output tile: no atomic adds, the same result on every run, and a kernel
+the tuner may run several times. FlashAttention-2 adds dQ up with atomics from the dK/dV programs
+instead; on the H200 that was slower at head dim 128 and level at 64 (docs/optimisation.md).
+Hopper at long sequences runs hopper/backward.py's kernel instead, which measured faster.
 
-tiled_backward.py is this file's twin in PyTorch: delta, then the same two jobs, with the same
-names and tile bounds.
+tiled_backward.py is this file's twin in PyTorch, with the same names and tile bounds.
 """
 import torch
 import triton
@@ -163,9 +160,7 @@ def backward_smem_rows(config):
 
 # (dQ's query tile, key tile, dK/dV's query tile, num_warps, num_stages, TMA), best first: the
 # tuner times the first three that fit. On the H200 the first was the fastest on the model's short
-# sequences and at N = 1024, the second and third on the paper's longer ones; at D = 128,
-# 64/64/64 with TMA was the fastest on long sequences, 64/64/32 (causal) and 64/64/64 on cp.async
-# (full) on short ones. The last ones fit wide heads, and float32, in 99 KB.
+# sequences, the second and third on the paper's longer ones; the last ones fit wide heads in 99 KB.
 BACKWARD_CONFIGS = [
     triton.Config({"BLOCK_M": m, "BLOCK_N": n, "DKDV_BLOCK_M": dkdv_m, "USE_TMA": tma}, num_warps=w, num_stages=s)
     for m, n, dkdv_m, w, s, tma in [

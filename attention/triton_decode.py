@@ -1,19 +1,16 @@
 """Decoding attention in Triton: one new token per sequence against a static KV cache.
 
-One program handles one (batch, head). It reads the new token's q row, and the k and v rows of
-its kv head (head h // GROUP), stores k and v at row pos of the caches (the first program of
-each kv head does), and computes the token's output row: the running softmax state (m_i, l_i,
-acc) starts from the token's own key, which is already in registers, and then walks the cached
-keys and values [pos - LEFT, pos) in tiles of BLOCK_N rows. pos is read from memory: the host
-never learns it, so the launch is the same at every step and a CUDA graph can replay it while
-the cache fills. A program reads only rows below the one it writes, so the store needs no
-barrier.
+One program handles one (batch, head). It reads the new token's q row and the k and v rows of
+its kv head (h // GROUP), stores k and v at row pos of the caches (one program per kv head
+does), and computes the token's output row: the running softmax state (m_i, l_i, acc) starts
+from the token's own key, already in registers, then walks the cached keys and values
+[pos - LEFT, pos) in tiles of BLOCK_N rows. pos is read from memory: the host never learns it,
+so the launch is the same at every step and a CUDA graph can replay it while the cache fills.
+A program reads only rows below the one it writes, so the store needs no barrier.
 
-A decode step has one query row, so there is no matrix product to give tensor cores: the
-scores are a broadcast multiply and a row sum, in float32. There is no split-K ("flash-
-decoding") either: at the model's shapes (a block_size of a few hundred tokens) a program reads
-the cache in one or two large tiles, and the kernel waits on those loads' latency, which larger
-tiles cut.
+One query row gives tensor cores no matrix product: the scores are a broadcast multiply and a
+row sum, in float32. There is no split-K ("flash-decoding"): at the model's block_size a
+program reads the cache in one or two large tiles, and waits on those loads' latency.
 """
 import torch
 import triton
@@ -77,10 +74,8 @@ DECODE_TILE_ELEMENTS = 16384
 DECODE_NUM_WARPS = 4
 
 
-# q (B, H, 1, D); k, v (B, H_kv, 1, D); the caches (B, H_kv, S, D), all with unit stride along
-# D; pos (1,) -> O (B, H, 1, D); k_cache and v_cache are written (row pos). Declaring the two
-# writes lets the compiler order them and Inductor make them in place rather than into a copy of
-# each cache.
+# decode.py's arguments -> O (B, H, 1, D), k_cache and v_cache written at row pos. Declared, the
+# writes are ordered by the compiler and made in place, not into a copy of each cache.
 @torch.library.custom_op("nanofa2::decode_attention", mutates_args=("k_cache", "v_cache"))
 def triton_decode_attention(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, k_cache: torch.Tensor,
                             v_cache: torch.Tensor, pos: torch.Tensor, left: int) -> torch.Tensor:

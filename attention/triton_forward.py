@@ -64,9 +64,8 @@ def forward_smem_rows(config):
 
 
 # (BLOCK_M, BLOCK_N, num_warps, num_stages, TMA), best first: the tuner times the first three that
-# fit the card and the sequence. On the H200 the first three each win somewhere: 64x128 with TMA
-# the long D=64 sequences, 128x64 with TMA D=128, 64x64 with cp.async the model's short ones.
-# Cards without TMA start at the third; the last ones fit wide heads in 99 KB.
+# fit. On the H200 each of the first three wins somewhere (64x128 TMA long D=64 sequences, 128x64
+# TMA D=128, 64x64 cp.async the model's); the last ones fit wide heads in 99 KB.
 FORWARD_CONFIGS = [
     triton.Config({"BLOCK_M": bm, "BLOCK_N": bn, "USE_TMA": tma}, num_warps=w, num_stages=s)
     for bm, bn, w, s, tma in [

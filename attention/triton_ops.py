@@ -5,22 +5,17 @@
 
 forward launches triton_forward.flash_forward and saves (Q, K, V, O, lse): one logsumexp per
 query row, (..., N_q), not the N_q x N_k probabilities. backward launches
-triton_backward.flash_backward on them. FlashAttentionPytorch (tiled.py) is the same class in
-PyTorch.
+triton_backward.flash_backward on them. FlashAttentionPytorch (tiled.py) is its PyTorch twin.
 
-Between the class and the launches sit two torch.library custom operators,
-nanofa2::flash_forward and nanofa2::flash_backward, whose bodies are those two calls. They are
-what lets torch.compile take the class: the compiler traces with fake tensors, which a kernel
-cannot run on, so each operator also has a fake implementation that gives its outputs' shapes
-and strides without running it, and a compiled model is one graph with two opaque nodes per
-layer. Compiled or not, on the CPU (Triton's interpreter) or a GPU, every call takes this one
-path. (Inductor could launch the kernels itself through torch.library.triton_op, sparing the
-host the operator's dispatch at each call; with the training step replayed from a CUDA graph,
-the host's time is out of the step, so one plain route won.)
-
-Every output is a new tensor laid out from the inputs' shapes and strides alone
-(launch.new_like), the same way by the real and the fake implementation: O in q's memory order,
-so the model's (B, N, H, D) views go back to (B, N, H * D) with no copy.
+Between the class and the launches sit two torch.library custom operators, whose bodies are
+those two calls: torch.compile traces with fake tensors, which no kernel can run on, so each
+operator has a fake implementation that gives its outputs' shapes and strides, and a compiled
+model is one graph with two opaque nodes a layer. Compiled or not, on the CPU (the interpreter)
+or a GPU, every call takes this one path. (torch.library.triton_op would let Inductor launch the
+kernels itself and spare the host the operator's dispatch; with the training step replayed from a
+CUDA graph the host is out of the step, so the one plain route won.) Every output is a new
+tensor laid out from the inputs' shapes and strides alone (launch.new_like), by the real and the
+fake implementation alike: O in q's memory order, so the model's views need no copy.
 """
 import torch
 from torch import Tensor

@@ -17,10 +17,8 @@ LN_2 = tl.constexpr(0.6931471805599453)  # and the forwards' lse goes back: log(
 @triton.jit
 def program_tile_and_head(HEADS_FIRST: tl.constexpr):
     """This program's tile, its head (a (batch, head) or (batch, kv head) index) and how many
-    tile programs each head has. The grid is (tiles, heads), or (heads, tiles) with HEADS_FIRST
-    (launch.heads_first says when). The GPU starts programs in grid order, x fastest: with the
-    heads along x, the first (for causal: the longest) tiles of every head start before the
-    later tiles of any."""
+    tile programs each head has: the grid is (tiles, heads), or (heads, tiles) with HEADS_FIRST
+    (launch.heads_first), which starts the first (longest) tiles of every head before the rest."""
     tile, head, tiles = tl.program_id(0), tl.program_id(1), tl.num_programs(0)
     if HEADS_FIRST:
         tile, head, tiles = tl.program_id(1), tl.program_id(0), tl.num_programs(1)
@@ -29,10 +27,9 @@ def program_tile_and_head(HEADS_FIRST: tl.constexpr):
 
 @triton.jit
 def query_tile_start(program, n_programs, BLOCK_M: tl.constexpr):
-    """The first query row of the tile of the program-th of n_programs query-tile programs, the
-    last tile first: causal, the last tiles see the most keys, and the short ones started last
-    fill the gaps at the end of the grid. Without a mask every tile has the same work, and the
-    order does not matter."""
+    """The first query row of the program-th of n_programs query tiles, the last tile first:
+    causal, the last tiles see the most keys, and the short ones started last fill the gaps at
+    the end of the grid. Without a mask every tile has the same work."""
     return (n_programs - 1 - program) * BLOCK_M
 
 

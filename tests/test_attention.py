@@ -426,6 +426,18 @@ def test_short_sequences_keep_short_tiles(monkeypatch):
     assert kept and all(c.kwargs["BLOCK_M"] <= 20 and c.kwargs["BLOCK_N"] <= 20 for c in kept)
 
 
+def test_triton_imported_first_still_interprets_on_the_cpu():
+    """Importing triton before attention (torch.compile's machinery does) must not leave
+    triton.language's own helpers compiled while the kernels are interpreted."""
+    import subprocess
+    import sys
+    code = ("import triton, torch\nfrom attention import attention\nq = torch.randn(1, 2, 20, 16)\n"
+            "print(torch.allclose(attention(q, q, q, True, 'triton'), attention(q, q, q, True, 'eager'), atol=1e-5))")
+    out = subprocess.run([sys.executable, "-W", "ignore", "-c", code], capture_output=True, text=True, check=True,
+                         cwd=__import__("conftest").REPO)
+    assert out.stdout.strip() == "True"
+
+
 def test_the_consumer_card_switch(tmp_path):
     """NANOFA2_ADA=1, set before attention is imported: Triton's Ampere-class MMA, no TMA, no
     Gluon, Ada's shared memory."""
