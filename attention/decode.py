@@ -58,8 +58,9 @@ def check_position(pos, device, n_cache):
                          "never copies from the host")
     if pos.shape != (1,):
         raise ValueError(f"pos must have shape (1,), one position for every sequence, got {tuple(pos.shape)}")
-    capturing = pos.is_cuda and torch.cuda.is_current_stream_capturing()
-    if not torch.compiler.is_compiling() and not capturing and not 0 <= int(pos) < n_cache:
+    if torch.compiler.is_compiling() or (pos.is_cuda and torch.cuda.is_current_stream_capturing()):
+        return
+    if not 0 <= int(pos) < n_cache:
         raise ValueError(f"pos={int(pos)} is outside the cache's S={n_cache} rows")
 
 
