@@ -54,18 +54,22 @@ import numpy as np
 from matplotlib.figure import Figure
 from tqdm import tqdm
 
-from attention import BACKENDS
-from training.configurator import ConfigError, describe, join_overrides, parse_config
-from training.exit_codes import EXIT_ERROR, EXIT_OUT_OF_MEMORY, exit_status_of_signal
-from training.metrics import CONFIG_NAME, METRICS_NAME, read_metrics, read_run_config
+from training.config import (BACKENDS, CHECKPOINT_NAME, CONFIG_NAME, EXIT_ERROR, EXIT_OUT_OF_MEMORY, METRICS_NAME,
+                             RESUME_NAME, TRITON_BACKENDS, ConfigError, TrainConfig, check_config, check_folder,
+                             describe, join_overrides, parse_config)
 from training.profiling import CATEGORIES, read_profile
-from training.train_config import TrainConfig, check_config
+from training.run_files import EVAL_KEYS, LOG_KEYS, RunFileError, read_metrics, read_run_config
 
 TRAIN_SCRIPT = os.path.join(os.path.dirname(os.path.abspath(__file__)), "train.py")
 SET_PER_RUN = {"attn": "--backends", "out_dir": "--out"}  # train.py keys compare.py sets itself
+# The config.json keys the report reads (describe_setup).
+SETUP_KEYS = ("attn", "n_layer", "n_head", "n_embd", "block_size", "batch_size", "gradient_accumulation_steps",
+              "tokens_per_iter", "max_iters", "seed", "gpu", "device", "dtype")
 PROGRESS_LINE = re.compile(r"iter (\d+): loss (\S+),")  # train.py's log lines
 REFERENCE = "eager"  # the backend every loss curve is measured against
 COLORS = {backend: f"C{i}" for i, backend in enumerate(BACKENDS)}
+CPU_TRITON_NOTE = ("On the CPU, triton and triton_fwd run in Triton's interpreter (numpy): their step time and "
+                   "tokens/s are the interpreter's, not the kernels', which is why they rank last here.")
 
 
 @dataclass
@@ -114,23 +118,41 @@ def check_compare_config(config, passed_on):
                           "(which shows any profile.json its runs hold) or sweep_block_size")
     if config.compile_both and any(arg.startswith("--compile=") for arg in passed_on):
         raise ConfigError("--compile: compile_both=True trains every backend both ways; give one or the other")
+    check_folder("out", config.out, writable=True)
     for out_dir in split_list(config.from_runs):
-        for name in (CONFIG_NAME, METRICS_NAME):
-            if not os.path.isfile(os.path.join(out_dir, name)):
-                raise ConfigError(f"from_runs: {out_dir} has no {name}; expected the out_dir of a train.py run")
-        try:
-            run_config = read_run_config(out_dir)
-        except (OSError, ValueError) as e:
-            raise ConfigError(f"from_runs: {os.path.join(out_dir, CONFIG_NAME)} cannot be read ({e})") from None
-        if not isinstance(run_config, dict) or not isinstance(run_config.get("attn"), str):
-            raise ConfigError(f"from_runs: {os.path.join(out_dir, CONFIG_NAME)} is not a train.py config.json "
-                              "(it has no attn)")
+        check_finished_run(out_dir)
     for arg in passed_on:
         key = arg[2:].partition("=")[0] if arg.startswith("--") else None
         if key in SET_PER_RUN:
             raise ConfigError(f"--{key}: compare.py sets it for each run; use {SET_PER_RUN[key]}=...")
         if config.from_runs:
             raise ConfigError(f"{arg}: from_runs compares finished runs, so train.py settings do not apply")
+
+
+def check_finished_run(out_dir):
+    """A ConfigError unless out_dir holds the config.json and metrics.jsonl of a train.py run
+    with the keys the report reads, and at least one log record."""
+    for name in (CONFIG_NAME, METRICS_NAME):
+        if not os.path.isfile(os.path.join(out_dir, name)):
+            raise ConfigError(f"from_runs: {out_dir} has no {name}; expected the out_dir of a train.py run")
+    config_path, metrics_path = os.path.join(out_dir, CONFIG_NAME), os.path.join(out_dir, METRICS_NAME)
+    try:
+        run_config = read_run_config(out_dir)
+        records = read_metrics(out_dir)
+    except (OSError, ValueError) as e:  # UnicodeDecodeError and json's errors are ValueErrors
+        raise ConfigError(f"from_runs: {config_path} cannot be read ({e})") from None
+    except RunFileError as e:
+        raise ConfigError(f"from_runs: {e}") from None
+    missing = [key for key in SETUP_KEYS if key not in run_config] if isinstance(run_config, dict) else ["all"]
+    if missing:
+        raise ConfigError(f"from_runs: {config_path} is not a train.py config.json (it lacks {', '.join(missing)})")
+    if not any("loss" in record for record in records):
+        raise ConfigError(f"from_runs: {metrics_path} holds no log records; expected the metrics of a train.py run")
+    for record in records:
+        keys = LOG_KEYS if "loss" in record else EVAL_KEYS
+        if not set(keys) <= record.keys():
+            raise ConfigError(f"from_runs: {metrics_path} has a record without {', '.join(set(keys) - record.keys())}"
+                              " (a train.py of another version?): " + repr(record)[:80])
 
 
 def parse_args(argv):
@@ -263,37 +285,37 @@ def describe_setup(config):
 
 # ---- the comparison of backends ----
 
+def comparison_row(run, reference):
+    """A run's row of compare.md's table."""
+    if run.out_of_memory:
+        return f"| {run.label} | out of memory |" + " |" * 9
+    if run.failure:
+        return f"| {run.label} | failed, {run.failure.replace('|', '/')} |" + " |" * 8
+    final = last_eval(run)
+    step_ms = [r["step_ms"] for r in steady_records(run)]
+    spread = (f"{np.percentile(step_ms, 10):.1f} - {np.percentile(step_ms, 90):.1f}" if step_ms else "n/a")
+    train_diff = max_difference(run, reference, "loss") if reference else None
+    val_diff = max_difference(run, reference, "val_loss") if reference else None
+    return " | ".join([
+        f"| {run.label}", fmt(final and final["train_loss"], ".4f"), fmt(final and final["val_loss"], ".4f"),
+        fmt(final and final.get("val_bpc"), ".3f"),
+        fmt(median_of(run, "step_ms"), ".1f"), spread, fmt(median_of(run, "tokens_per_s"), ",.0f"),
+        fmt(median_of(run, "mfu") and 100 * median_of(run, "mfu"), ".1f", "%"), fmt(peak_memory(run), ",.0f"),
+        fmt(train_diff, ".2e"), fmt(val_diff, ".2e")]) + " |"
+
+
 def write_comparison(runs, out, command):
     os.makedirs(out, exist_ok=True)
     reference = next((run for run in runs if run.finished and run.config.get("attn") == REFERENCE), None)  # the first
     trained = [run for run in runs if run.finished]
-    rows = []
-    for run in runs:
-        if run.out_of_memory:
-            rows.append(f"| {run.label} | out of memory |" + " |" * 9)
-            continue
-        if run.failure:
-            rows.append(f"| {run.label} | failed, {run.failure.replace('|', '/')} |" + " |" * 8)
-            continue
-        final = last_eval(run)
-        step_ms = [r["step_ms"] for r in steady_records(run)]
-        spread = (f"{np.percentile(step_ms, 10):.1f} - {np.percentile(step_ms, 90):.1f}" if step_ms else "n/a")
-        train_diff = max_difference(run, reference, "loss") if reference else None
-        val_diff = max_difference(run, reference, "val_loss") if reference else None
-        rows.append(" | ".join([
-            f"| {run.label}", fmt(final and final["train_loss"], ".4f"), fmt(final and final["val_loss"], ".4f"),
-            fmt(final and final.get("val_bpc"), ".3f"),
-            fmt(median_of(run, "step_ms"), ".1f"), spread, fmt(median_of(run, "tokens_per_s"), ",.0f"),
-            fmt(median_of(run, "mfu") and 100 * median_of(run, "mfu"), ".1f", "%"), fmt(peak_memory(run), ",.0f"),
-            fmt(train_diff, ".2e"), fmt(val_diff, ".2e")]) + " |")
     setup = describe_setup(trained[0].config) if trained else "no run finished"
-    reference_note = ("" if reference else
-                      f"\nNo {REFERENCE} run finished, so there are no differences from its curves.\n")
+    notes = "" if reference else f"\nNo {REFERENCE} run finished, so there are no differences from its curves.\n"
     differences = differing_settings(trained)
     if differences:
-        reference_note += ("\n**These runs differ in settings other than the backend, so their curves and times are "
-                           "not comparable step for step:** " + "; ".join(differences) + ". The setup line is the "
-                           "first run's.\n")
+        notes += ("\n**These runs differ in settings other than the backend, so their curves and times are "
+                  "not comparable step for step:** " + "; ".join(differences) + ". The setup line is the first run's.\n")
+    if any(run.config["attn"] in TRITON_BACKENDS and run.config.get("gpu") is None for run in trained):
+        notes += f"\n{CPU_TRITON_NOTE}\n"
     text = f"""# Attention backends compared
 
 `{command}`
@@ -307,10 +329,10 @@ memory is the most torch allocated on the GPU. Losses are nats per token; bits/c
 loss per character of text (nanoGPT's character-level Shakespeare reaches 2.12). The last two columns are the largest absolute
 difference from the (first) {REFERENCE} run's curve: the training loss of every logged iteration, and
 the val loss of every evaluation.
-{reference_note}
+{notes}
 | backend | final train loss | final val loss | final val bits/char | step ms (median) | step ms (p10 - p90) | tokens/s | MFU | peak memory (MB) | max abs diff, train loss | max abs diff, val loss |
 | --- | --- | --- | --- | --- | --- | --- | --- | --- | --- | --- |
-""" + "\n".join(rows) + "\n"
+""" + "\n".join(comparison_row(run, reference) for run in runs) + "\n"
     with open(os.path.join(out, "compare.md"), "w") as f:
         f.write(text)
     plot_comparison(runs, os.path.join(out, "compare.png"), setup, reference)
@@ -388,13 +410,40 @@ def tick_label(run):
 
 
 def plot_comparison(runs, path, setup, reference):
-    fig = Figure(figsize=(17, 9), layout="constrained")
-    (loss_ax, diff_ax, time_ax), (speed_ax, mfu_ax, memory_ax) = fig.subplots(2, 3)
-    fig.suptitle(f"Attention backends compared: {setup}", fontsize=9)
+    """Loss curves, their distance from eager's, step time and tokens/s; on a GPU also MFU and
+    peak memory, which a CPU has no numbers for (their panels are left out there)."""
     trained = [run for run in runs if run.finished]
+    on_cpu = bool(trained) and all(run.config.get("gpu") is None for run in trained)
+    fig = Figure(figsize=(12, 9) if on_cpu else (17, 9), layout="constrained")
+    axes = fig.subplots(2, 2 if on_cpu else 3).flatten()
+    fig.suptitle(f"Attention backends compared: {setup}" + (f"\n{CPU_TRITON_NOTE}" if on_cpu and any(
+        run.config["attn"] in TRITON_BACKENDS for run in trained) else ""), fontsize=9)
+    plot_losses(axes[0], trained, reference)
+    plot_loss_differences(axes[1], trained, reference)
+    step_times = [[r["step_ms"] for r in steady_records(run)] for run in trained]
+    if any(step_times):
+        axes[2].boxplot(step_times, tick_labels=[tick_label(run) for run in trained], whis=(10, 90), showfliers=False)
+        axes[2].set(title="steady-state step time (box: quartiles, whiskers: p10-p90)", ylabel="ms")
+    else:
+        no_data(axes[2], "no steady-state steps (max_iters too small)")
+    bar_chart(axes[3], runs, "tokens_per_s", median_of, "tokens/s (median)", "tokens/s", "{:,.0f}")
+    if not on_cpu:
+        gpu = trained[0].config.get("gpu") if trained else None
+        bar_chart(axes[4], runs, "mfu", lambda run, key: median_of(run, key) and 100 * median_of(run, key),
+                  "MFU (median)", "% of the card's bf16 peak", "{:.1f}%",
+                  f"no MFU: training/devices.py has no bf16 peak\nfor the {gpu} to divide by.")
+        bar_chart(axes[5], runs, "peak_mem_mb", lambda run, key: peak_memory(run), "peak GPU memory", "MB", "{:,.0f}")
+        cap = trained[0].config.get("max_memory_gb") if trained else None
+        if cap and axes[5].axison:
+            draw_cap(axes[5], cap)
+            axes[5].legend(fontsize=7)
+    fig.savefig(path, dpi=120)
 
-    # A backend whose curves lie within a pixel of the reference's is not drawn over it (its
-    # colour would hide under the reference's); the reference's legend entry names it instead.
+
+def plot_losses(ax, trained, reference):
+    """Every run's training loss at each iteration and val loss at each evaluation. A backend
+    whose curves lie within a pixel of the reference's is not drawn over it (its colour would
+    hide under the reference's); the reference's legend entry names it instead."""
     coincide = coinciding_runs(trained, reference)
     for run in trained:
         if run in coincide:
@@ -403,53 +452,34 @@ def plot_comparison(runs, path, setup, reference):
         steps = [r for r in run.records if "loss" in r]
         evals = [r for r in run.records if "val_loss" in r]
         same = f" (= {', '.join(other.label for other in coincide)})" if run is reference and coincide else ""
-        loss_ax.plot([r["iter"] for r in steps], [r["loss"] for r in steps], color=color, alpha=0.5, lw=1,
-                     label=f"{run.label}{same} train")
+        ax.plot([r["iter"] for r in steps], [r["loss"] for r in steps], color=color, alpha=0.5, lw=1,
+                label=f"{run.label}{same} train")
         # Evaluations are points: a line between them would claim values nobody measured.
-        loss_ax.plot([r["iter"] for r in evals], [r["val_loss"] for r in evals], "o", color=color, ms=5,
-                     label=f"{run.label}{same} val")
+        ax.plot([r["iter"] for r in evals], [r["val_loss"] for r in evals], "o", color=color, ms=5,
+                label=f"{run.label}{same} val")
     title = "loss: train every iteration, val at evaluations"
     if coincide:
         merged = ", ".join(run.label for run in coincide)
         title += f"\n{merged}:\nwithin a pixel of {reference.label}'s curves, drawn as {reference.label}"
-    loss_ax.set(title=title, xlabel="iteration", ylabel="cross-entropy")
-    loss_ax.legend(fontsize=7)
+    ax.set(title=title, xlabel="iteration", ylabel="cross-entropy")
+    ax.legend(fontsize=7)
 
-    if reference is not None:
-        reference_loss = {r["iter"]: r["loss"] for r in reference.records if "loss" in r}
-        for run in trained:
-            if run is reference:
-                continue
-            pairs = [(r["iter"], abs(r["loss"] - reference_loss[r["iter"]])) for r in run.records
-                     if "loss" in r and r["iter"] in reference_loss]
-            # Identical losses would vanish from a log scale: they are drawn at the floor.
-            diff_ax.plot([i for i, _ in pairs], [max(d, 1e-9) for _, d in pairs], color=COLORS.get(run.config["attn"]),
-                         label=run.label)
-        diff_ax.set(yscale="log", title=f"|training loss - {REFERENCE}'s| (floor 1e-9: equal)", xlabel="iteration")
-        diff_ax.legend(fontsize=7)
-    else:
-        no_data(diff_ax, f"no {REFERENCE} run to compare with")
 
-    step_times = [[r["step_ms"] for r in steady_records(run)] for run in trained]
-    if any(step_times):
-        time_ax.boxplot(step_times, tick_labels=[tick_label(run) for run in trained], whis=(10, 90), showfliers=False)
-        time_ax.set(title="steady-state step time (box: quartiles, whiskers: p10-p90)", ylabel="ms")
-    else:
-        no_data(time_ax, "no steady-state steps (max_iters too small)")
-
-    bar_chart(speed_ax, runs, "tokens_per_s", median_of, "tokens/s (median)", "tokens/s", "{:,.0f}")
-    gpu = trained[0].config.get("gpu") if trained else None
-    no_mfu = (f"no MFU: training/devices.py has no bf16 peak\nfor the {gpu} to divide by." if gpu else
-              "no MFU: it is a fraction of a GPU's bf16 peak,\nand these runs trained on the CPU.")
-    bar_chart(mfu_ax, runs, "mfu", lambda run, key: median_of(run, key) and 100 * median_of(run, key),
-              "MFU (median)", "% of the card's bf16 peak", "{:.1f}%", no_mfu)
-    bar_chart(memory_ax, runs, "peak_mem_mb", lambda run, key: peak_memory(run), "peak GPU memory", "MB", "{:,.0f}",
-              "no peak GPU memory: these runs trained on the CPU.")
-    cap = trained[0].config.get("max_memory_gb") if trained else None
-    if cap and memory_ax.axison:
-        draw_cap(memory_ax, cap)
-        memory_ax.legend(fontsize=7)
-    fig.savefig(path, dpi=120)
+def plot_loss_differences(ax, trained, reference):
+    if reference is None:
+        no_data(ax, f"no {REFERENCE} run to compare with")
+        return
+    reference_loss = {r["iter"]: r["loss"] for r in reference.records if "loss" in r}
+    for run in trained:
+        if run is reference:
+            continue
+        pairs = [(r["iter"], abs(r["loss"] - reference_loss[r["iter"]])) for r in run.records
+                 if "loss" in r and r["iter"] in reference_loss]
+        # Identical losses would vanish from a log scale: they are drawn at the floor.
+        ax.plot([i for i, _ in pairs], [max(d, 1e-9) for _, d in pairs], color=COLORS.get(run.config["attn"]),
+                label=run.label)
+    ax.set(yscale="log", title=f"|training loss - {REFERENCE}'s| (floor 1e-9: equal)", xlabel="iteration")
+    ax.legend(fontsize=7)
 
 
 def coinciding_runs(runs, reference):
@@ -520,8 +550,9 @@ def run_sweep(backends, sizes, out, passed_on, train_config, command):
             out_dir = os.path.join(out, "sweep", f"T{block_size}", backend)
             run = train(f"{backend} T={block_size}", out_dir, args, train_config.max_iters)
             # Only the numbers matter here; a checkpoint of every point would take GBs.
-            if os.path.exists(os.path.join(out_dir, "ckpt.pt")):
-                os.remove(os.path.join(out_dir, "ckpt.pt"))
+            for name in (CHECKPOINT_NAME, RESUME_NAME):
+                if os.path.exists(os.path.join(out_dir, name)):
+                    os.remove(os.path.join(out_dir, name))
             results[backend][block_size] = run
             write_sweep(results, sizes, out, command, train_config)
     return results
@@ -597,8 +628,8 @@ def plot_sweep(results, sizes, path, setup, max_memory_gb):
         ax.set_xscale("log", base=2)
         ax.set_xticks(sizes, [str(size) for size in sizes])
         ax.set_xlabel("context length (block_size)")
-    # Step times differ by orders of magnitude between the fused backends and the tiled loop
-    # (docs/benchmarks.md, "Step time and memory vs context length"): a log axis shows both.
+    # Step times differ by orders of magnitude between the fused backends and the tiled loop: a
+    # log axis shows both.
     time_ax.set_yscale("log")
     memory_ax.set_ylim(bottom=0)
     time_ax.set(title="median step time, steady state (x: out of memory)", ylabel="ms (log scale)")
@@ -631,7 +662,8 @@ def main(argv=None):
         else:
             # A backend that fails is marked in compare.md; the others still run.
             # (label suffix, extra train.py arguments) for each way every backend trains
-            variants = [("", []), (" compiled", ["--compile=True"])] if config.compile_both else [("", [])]
+            variants = [("", [])] if not config.compile_both else [("", ["--compile=False"]),
+                                                                   (" compiled", ["--compile=True"])]
             profile = ["--profile=True"] if config.profile else []
             runs = [train(backend + suffix, os.path.join(config.out, "runs", (backend + suffix).replace(" ", "-")),
                           ["--log_interval=1", f"--eval_interval={max(1, train_config.max_iters // 5)}", *passed_on,
@@ -641,7 +673,7 @@ def main(argv=None):
             write_comparison(runs, config.out, command)
     except KeyboardInterrupt:
         print("compare.py: interrupted", file=sys.stderr)
-        sys.exit(exit_status_of_signal(signal.SIGINT))
+        sys.exit(128 + signal.SIGINT)
     written = ["sweep.md", "sweep.png"] if sizes else ["compare.md", "compare.png"]
     if config.profile:
         written.append("profile.png")

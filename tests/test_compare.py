@@ -5,13 +5,14 @@ that ran out of memory; --from_runs compares finished runs; bad arguments stop i
 import json
 import math
 import os
+import struct
 from pathlib import Path
 
 import pytest
 
 from attention import BACKENDS
 from conftest import REPO, run_script
-from training.metrics import read_metrics
+from training.run_files import read_metrics
 
 # One worker runs this module, so its module-scoped fixture runs once (see pytest.ini).
 pytestmark = pytest.mark.xdist_group("compare")
@@ -45,9 +46,19 @@ def comparison(data_dir, tmp_path_factory):
     return out, result
 
 
+def png_size(path):
+    data = path.read_bytes()
+    assert data.startswith(b"\x89PNG")
+    return struct.unpack(">II", data[16:24])  # IHDR: width, height
+
+
 def test_compare_trains_every_backend_and_writes_the_report_and_figure(comparison):
     out, result = comparison
-    assert (out / "compare.png").read_bytes().startswith(b"\x89PNG")
+    # On the CPU, four panels (12 x 9 inches at 120 dpi): no MFU or GPU memory to show, and the
+    # figure and the report say why triton ranks last.
+    assert png_size(out / "compare.png") == (1440, 1080)
+    assert "run in Triton's interpreter (numpy): their step time and tokens/s are the interpreter's" in \
+        (out / "compare.md").read_text()
     rows = table_rows((out / "compare.md").read_text())
     for backend in BACKENDS:
         cells = rows[backend]
@@ -108,7 +119,7 @@ def test_sweep_marks_out_of_memory_and_skips_longer_contexts(data_dir, tmp_path)
     (["--attn=triton"], "--attn: compare.py sets it for each run; use --backends=..."),
     (["--lerning_rate=1e-3"], "unknown key --lerning_rate (did you mean 'learning_rate'?)"),
     (["--sweep_block_size=256,big"], "sweep_block_size='256,big': expected ints >= 1"),
-    (["--n_embd=48", "--n_head=2"], "attn='triton' with n_embd=48 and n_head=2: the head dim n_embd / n_head = 24"),
+    (["--n_embd=36", "--n_head=2"], "attn='triton' with n_embd=36 and n_head=2: the head dim n_embd / n_head = 18"),
 ], ids=["backend", "attn", "train key", "sweep", "triton head dim"])
 def test_bad_arguments_stop_before_any_run(args, message, tmp_path):
     result = run_script("compare.py", "configs/tiny.py", f"--out={tmp_path / 'out'}", *args)
@@ -177,3 +188,28 @@ def test_only_curves_within_a_pixel_of_eager_are_merged_into_its_curve():
     eager, same, apart = run("eager", 0.0), run("sdpa", 1e-5), run("triton", 0.1)
     assert coinciding_runs([eager, same, apart], eager) == [same]
     assert coinciding_runs([same, apart], None) == []
+
+
+@pytest.mark.parametrize("fault", ["no warmup", "binary", "empty"])
+def test_from_runs_whose_metrics_train_py_did_not_write_exits_2_in_one_line(fault, trained_out_dir, tmp_path):
+    run = fake_run(tmp_path, "run", trained_out_dir)
+    metrics = run / "metrics.jsonl"
+    if fault == "no warmup":
+        lines = [json.loads(line) for line in metrics.read_text().splitlines()]
+        metrics.write_text("".join(json.dumps({k: v for k, v in r.items() if k != "warmup"}) + "\n" for r in lines))
+    else:
+        metrics.write_bytes(b"\x89PNG\r\n\x1a\n\x00\xff\xfe" if fault == "binary" else b"")
+    result = run_script("compare.py", f"--from_runs={run}", f"--out={tmp_path / 'report'}")
+    assert result.returncode == 2
+    expected = {"no warmup": f"{metrics} has a record without warmup",
+                "binary": f"{metrics} cannot be read as train.py's metrics (UnicodeDecodeError",
+                "empty": f"{metrics} holds no log records"}[fault]
+    assert result.stderr.startswith(f"config error: from_runs: {expected}"), result.stderr
+    assert len(result.stderr.strip().splitlines()) == 1 and not (tmp_path / "report").exists()
+
+
+def test_an_out_that_is_a_file_exits_2_in_one_line(trained_out_dir, tmp_path):
+    (tmp_path / "report").write_text("not a folder")
+    result = run_script("compare.py", f"--from_runs={trained_out_dir}", f"--out={tmp_path / 'report'}")
+    assert result.returncode == 2
+    assert result.stderr == f"config error: out='{tmp_path / 'report'}' is a file; expected a folder (made if missing)\n"

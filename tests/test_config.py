@@ -1,17 +1,18 @@
-"""training/configurator.py and train.py's config checks: bad settings stop the run, naming the key."""
-from dataclasses import dataclass
-
+"""training/config.py and the scripts' config checks: bad settings stop the run, naming the key,
+before torch loads and before anything is made."""
 import re
-from dataclasses import fields
+import subprocess
+import sys
+from dataclasses import dataclass, fields
 
 import pytest
+import torch
 
 from attention import BACKENDS
 from conftest import REPO, run_script
-from sample import SampleConfig
-from training.configurator import ConfigError, choice, config_files, field_meanings, parse_config
-from training.exit_codes import EXIT_BAD_CONFIG, EXIT_ERROR
-from training.train_config import TrainConfig, check_config
+from model import GPTConfig
+from training.config import (EXIT_BAD_CONFIG, ConfigError, SampleConfig, TrainConfig, check_config, choice,
+                             config_files, field_meanings, parse_config, resolve_switches)
 
 
 @dataclass
@@ -113,12 +114,13 @@ def test_train_rejects_values_out_of_range(tmp_path):
 
 
 @pytest.mark.parametrize("attn", ["triton", "triton_fwd"])
-def test_train_rejects_a_head_dim_the_triton_kernels_cannot_take(attn, tmp_path):
-    result = run_script("train.py", "configs/tiny.py", f"--attn={attn}", "--n_embd=48", "--n_head=2",
+@pytest.mark.parametrize("n_embd, head_dim", [(36, 18), (528, 264)], ids=["not a multiple of 8", "over 256"])
+def test_train_rejects_a_head_dim_the_triton_kernels_cannot_take(attn, n_embd, head_dim, tmp_path):
+    result = run_script("train.py", "configs/tiny.py", f"--attn={attn}", f"--n_embd={n_embd}", "--n_head=2",
                         f"--out_dir={tmp_path / 'out'}")
     assert result.returncode == EXIT_BAD_CONFIG
-    assert (f"attn='{attn}' with n_embd=48 and n_head=2: the head dim n_embd / n_head = 24 must be one of "
-            "(16, 32, 64, 128)") in result.stderr
+    assert (f"attn='{attn}' with n_embd={n_embd} and n_head=2: the head dim n_embd / n_head = {head_dim} must be a "
+            "multiple of 8, at most 256") in result.stderr
     assert "Traceback" not in result.stderr
     assert not (tmp_path / "out").exists()
 
@@ -132,14 +134,26 @@ def test_the_default_run_passes_every_check_with_every_backend(attn):
 
 @pytest.mark.parametrize("settings, world_size, message", [
     (dict(compile=True, compile_mode="reduce-overhead"), 1, "compile_mode='reduce-overhead', which captures CUDA graphs"),
-    (dict(compile=True, compile_mode="max-autotune"), 1, "compile_mode='max-autotune', which captures CUDA graphs"),
+    (dict(compile_mode="max-autotune"), 1, "compile_mode='max-autotune', which captures CUDA graphs"),
     (dict(gradient_accumulation_steps=2), 2, "under torchrun with 2 processes"),
     (dict(profile=True), 1, "with profile=True"),
 ])
-def test_cuda_graph_refuses_what_it_cannot_capture(settings, world_size, message):
-    check_config(TrainConfig(**settings), world_size=world_size)  # fine without the graph
-    with pytest.raises(ConfigError, match=r"cuda_graph=True: expected False .*" + re.escape(message)):
-        check_config(TrainConfig(cuda_graph=True, **settings), world_size=world_size)
+def test_an_explicit_cuda_graph_refuses_what_it_cannot_capture_and_the_default_yields(settings, world_size, message):
+    config = TrainConfig(**settings)
+    check_config(config, world_size=world_size)  # the default graph yields quietly ...
+    assert resolve_switches(config, "cuda", world_size).cuda_graph is False
+    with pytest.raises(ConfigError, match=r"cuda_graph=True: expected False or auto .*" + re.escape(message)):
+        check_config(TrainConfig(cuda_graph=True, **settings), world_size=world_size)  # ... an explicit one is refused
+
+
+def test_the_default_run_compiles_and_replays_a_cuda_graph_on_a_gpu_and_neither_on_the_cpu():
+    assert (TrainConfig().compile, TrainConfig().cuda_graph) == ("auto", "auto")
+    on_gpu, on_cpu = resolve_switches(TrainConfig(), "cuda"), resolve_switches(TrainConfig(), "cpu")
+    assert (on_gpu.compile, on_gpu.cuda_graph) == (True, True)
+    assert (on_cpu.compile, on_cpu.cuda_graph) == (False, False)
+    told = resolve_switches(TrainConfig(compile=False, cuda_graph=False), "cuda")
+    assert (told.compile, told.cuda_graph) == (False, False)
+    assert resolve_switches(TrainConfig(compile=True), "cpu").compile is True
 
 
 def test_cuda_graph_takes_the_compile_modes_without_graphs_of_their_own():
@@ -147,11 +161,40 @@ def test_cuda_graph_takes_the_compile_modes_without_graphs_of_their_own():
         check_config(TrainConfig(cuda_graph=True, compile=True, compile_mode=mode))
 
 
-def test_train_refuses_a_cuda_graph_on_the_cpu(tmp_path):
-    result = run_script("train.py", "configs/tiny.py", "--cuda_graph=True", f"--out_dir={tmp_path / 'out'}")
-    assert result.returncode == EXIT_ERROR
-    assert "cuda_graph=True needs a CUDA device; this run is on cpu" in result.stderr
-    assert "Traceback" not in result.stderr
+def test_switches_take_auto_true_or_false_on_the_command_line_and_in_files(tmp_path, capsys):
+    (tmp_path / "c.py").write_text("compile = True\n")
+    assert parse_config(TrainConfig, [str(tmp_path / "c.py"), "--cuda_graph=false"]).cuda_graph is False
+    assert parse_config(TrainConfig, [str(tmp_path / "c.py")]).compile is True
+    assert parse_config(TrainConfig, ["--compile=auto"]).compile == "auto"
+    with pytest.raises(SystemExit):
+        parse_config(TrainConfig, ["--compile=maybe"])
+    assert "--compile='maybe': valid choices are auto, True, False" in capsys.readouterr().err
+    (tmp_path / "one.py").write_text("compile = 1\n")  # 1 == True, but not a bool
+    with pytest.raises(SystemExit):
+        parse_config(TrainConfig, [str(tmp_path / "one.py")])
+
+
+def test_help_says_the_gpu_compiles_and_replays_a_graph_by_default():
+    help_text = run_script("train.py", "--help").stdout
+    assert "--compile='auto'  (one of auto, True, False)" in help_text
+    assert help_text.count("auto: on where CUDA is the device") == 2
+
+
+@pytest.mark.parametrize("args, message", [
+    (["--cuda_graph=True"], "cuda_graph=True: expected False or auto with device='cpu'"),
+    (["--cuda_graph=True", "--device=auto"], "cuda_graph=True needs a CUDA device; this run is on cpu"),
+    (["--dtype=float16"], "dtype='float16': expected float32 or bfloat16 on the CPU"),
+    (["--max_memory_gb=12"], "max_memory_gb=12.0: expected 0 with device='cpu'"),
+    (["--device=cuda"], "device='cuda' but torch sees no CUDA GPU"),
+    (["--block_size=400000"], "block_size=400000 needs at least 400001 tokens per sample"),
+], ids=["cuda_graph", "cuda_graph auto device", "float16", "memory cap", "no GPU", "block_size"])
+def test_a_setting_the_machine_or_data_cannot_run_exits_2_and_makes_nothing(args, message, data_dir, tmp_path):
+    if "--device=" in " ".join(args) and torch.cuda.is_available():
+        pytest.skip("this machine has a GPU")
+    result = run_script("train.py", "configs/tiny.py", f"--data_dir={data_dir}", f"--out_dir={tmp_path / 'out'}", *args)
+    assert result.returncode == EXIT_BAD_CONFIG
+    assert result.stderr.startswith(f"config error: {message}") and len(result.stderr.strip().splitlines()) == 1
+    assert not (tmp_path / "out").exists()
 
 
 @pytest.mark.parametrize("seed", [-5, 2**32])
@@ -164,7 +207,81 @@ def test_train_rejects_a_seed_outside_numpys_range(seed, tmp_path):
 
 def test_the_seed_range_leaves_room_for_every_process():
     """Process r seeds with seed + r: with 4 processes the largest seed is 2**32 - 4."""
-    from training.train_config import TrainConfig, check_config
     check_config(TrainConfig(seed=2**32 - 4, gradient_accumulation_steps=4), world_size=4)
     with pytest.raises(ConfigError, match=r"seed=4294967293: expected an int in \[0, 4294967292\]"):
         check_config(TrainConfig(seed=2**32 - 3, gradient_accumulation_steps=4), world_size=4)
+
+
+def test_the_configs_backends_are_attentions():
+    from training import config
+
+    assert config.BACKENDS == BACKENDS
+
+
+def test_the_default_runs_model_is_gpt_configs_defaults():
+    assert TrainConfig().model_config(GPTConfig().vocab_size) == GPTConfig()
+
+
+@pytest.mark.parametrize("script", ["train.py", "sample.py"])
+@pytest.mark.parametrize("args, status", [(["--help"], 0), (["--bogus=1"], EXIT_BAD_CONFIG)], ids=["help", "bad key"])
+def test_help_and_a_bad_key_answer_before_torch_is_imported(script, args, status):
+    probe = (f"import runpy, sys; sys.argv = [{script!r}, *{args!r}]\n"
+             f"try: runpy.run_path({script!r}, run_name='__main__')\n"
+             "except SystemExit as e: print(e.code, 'torch' in sys.modules)")
+    result = subprocess.run([sys.executable, "-c", probe], cwd=REPO, capture_output=True, text=True, timeout=120)
+    assert result.stdout.split()[-2:] == [str(status), "False"], result.stdout + result.stderr
+
+
+@pytest.mark.parametrize("body, what", [
+    ("raise KeyboardInterrupt\n", "KeyboardInterrupt"),
+    ("import sys\nsys.exit(0)\n", "SystemExit: 0"),
+    ("import sys\nsys.exit(7)\n", "SystemExit: 7"),
+], ids=["KeyboardInterrupt", "exit 0", "exit 7"])
+def test_a_config_file_that_stops_or_exits_is_a_bad_config(body, what, tmp_path):
+    (tmp_path / "c.py").write_text(body)
+    result = run_script("train.py", tmp_path / "c.py", f"--out_dir={tmp_path / 'out'}")
+    assert result.returncode == EXIT_BAD_CONFIG
+    assert result.stderr.startswith(f"config error: config file '{tmp_path / 'c.py'}' failed to run: {what}")
+    assert len(result.stderr.strip().splitlines()) == 1
+
+
+def test_a_config_file_that_is_not_utf8_is_a_bad_config(tmp_path):
+    (tmp_path / "c.py").write_bytes(b"max_iters = 3  # \xff\xfe\n")
+    result = run_script("train.py", tmp_path / "c.py", f"--out_dir={tmp_path / 'out'}")
+    assert result.returncode == EXIT_BAD_CONFIG
+    assert result.stderr.startswith(f"config error: cannot read config file '{tmp_path / 'c.py'}': 'utf-8' codec")
+    assert len(result.stderr.strip().splitlines()) == 1
+
+
+@pytest.mark.parametrize("where", ["a file", "under a file"])
+def test_a_data_dir_that_is_a_file_or_under_one_is_a_bad_config(where, tmp_path):
+    (tmp_path / "file").write_text("not a folder")
+    data_dir = tmp_path / "file" if where == "a file" else tmp_path / "file" / "data"
+    result = run_script("train.py", "configs/tiny.py", f"--data_dir={data_dir}", f"--out_dir={tmp_path / 'out'}")
+    assert result.returncode == EXIT_BAD_CONFIG
+    expected = "is a file; expected a folder" if where == "a file" else f"cannot write there (Not a directory: {tmp_path / 'file'} is a file)"
+    assert result.stderr.startswith(f"config error: data_dir='{data_dir}'") and expected in result.stderr
+    assert len(result.stderr.strip().splitlines()) == 1 and not (tmp_path / "out").exists()
+
+
+def test_an_unwritable_unprepared_data_dir_is_a_bad_config(tmp_path):
+    import os
+
+    if os.geteuid() == 0:
+        pytest.skip("root writes into read-only folders")
+    (tmp_path / "read-only").mkdir(mode=0o500)
+    result = run_script("train.py", "configs/tiny.py", f"--data_dir={tmp_path / 'read-only'}",
+                        f"--out_dir={tmp_path / 'out'}")
+    assert result.returncode == EXIT_BAD_CONFIG
+    assert "cannot write there (Permission denied" in result.stderr and "Traceback" not in result.stderr
+
+
+@pytest.mark.parametrize("name", ["ckpt.pt", "resume.pt", "metrics.jsonl", "config.json"])
+@pytest.mark.parametrize("init_from", ["scratch", "resume"])
+def test_a_run_file_that_is_a_folder_is_a_bad_config(name, init_from, data_dir, tmp_path):
+    (tmp_path / "out" / name).mkdir(parents=True)
+    result = run_script("train.py", "configs/tiny.py", f"--data_dir={data_dir}", f"--out_dir={tmp_path / 'out'}",
+                        f"--init_from={init_from}", "--overwrite=True")
+    assert result.returncode == EXIT_BAD_CONFIG
+    assert result.stderr.startswith(f"config error: {tmp_path / 'out' / name} is not a file (a folder?)")
+    assert len(result.stderr.strip().splitlines()) == 1

@@ -11,10 +11,8 @@ import pytest
 import torch
 
 from conftest import REPO
-from training.checkpoint import load_checkpoint
-from training.configurator import ConfigError
-from training.metrics import read_metrics, read_run_config
-from training.train_config import TrainConfig, check_config
+from training.config import ConfigError, TrainConfig, check_config
+from training.run_files import load_checkpoint, read_metrics, read_run_config, resume_point
 
 # One worker runs this module, so its module-scoped fixture runs once (see pytest.ini).
 pytestmark = pytest.mark.xdist_group("ddp")
@@ -63,7 +61,7 @@ def test_two_processes_train_and_only_rank_0_logs_and_saves(straight_run):
     assert result.stdout.count("iter 16: loss") == 1 and result.stdout.count("parameters, attn=eager") == 1
     assert "1,024 tokens per iteration over 2 processes" in result.stdout  # 2 x 8 sequences x 64 tokens
     assert read_run_config(out_dir)["world_size"] == 2
-    saved_rng = load_checkpoint(str(out_dir))["rng"]
+    saved_rng = load_checkpoint(str(out_dir / "ckpt.pt"))["rng"]
     assert len(saved_rng) == 2  # each process's random streams, for an exact resume
     assert not torch.equal(saved_rng[0]["sampler"], saved_rng[1]["sampler"])  # different batches per process
 
@@ -81,7 +79,7 @@ def test_sigterm_to_torchrun_stops_every_process_and_the_resumed_run_matches(str
             time.sleep(0.05)
         process.send_signal(signal.SIGTERM)  # torchrun passes it on to both processes
         process.wait(timeout=120)
-    stopped_at = load_checkpoint(str(out_dir))["iter"]
+    stopped_at = load_checkpoint(resume_point(str(out_dir)))["iter"]
     assert stopped_at == max(step_losses(out_dir)) >= 3
     assert output.read_text().count(f"stopped by SIGTERM at iter {stopped_at}") == 1  # rank 0 alone
 

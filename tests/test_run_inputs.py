@@ -12,8 +12,8 @@ import torch
 from conftest import REPO, run_script, script_command
 from data.batches import DataError, read_meta
 from model import GPT, GPTConfig
-from training.checkpoint import CheckpointError, load_checkpoint, save_checkpoint
-from training.exit_codes import EXIT_BAD_CONFIG
+from training.config import EXIT_BAD_CONFIG
+from training.run_files import RunFileError, load_checkpoint, save_checkpoint
 
 GOOD_META = {"encoding": "gpt2", "vocab_size": 300, "dtype": "uint16", "gpt2_ids": list(range(0, 600, 2)),
              "train_tokens": 301_966, "val_tokens": 36_059, "train_chars": 1_003_854, "val_chars": 111_540}
@@ -23,13 +23,14 @@ BAD_META = [
     ({"dtype": "foo"}, "dtype='foo', expected one of"),
     ({"train_tokens": 0}, "train_tokens=0, expected an int >= 1"),
     ({"val_tokens": 12.5}, "val_tokens=12.5, expected an int >= 1"),
-    ({"vocab_size": "300"}, "vocab_size='300', expected an int >= 1"),
+    ({"vocab_size": "300"}, "vocab_size='300', expected an int >= 2"),
     ({"train_chars": -1}, "train_chars=-1, expected an int >= 1"),
     ({"gpt2_ids": [3, "a"]}, "gpt2_ids=[3, 'a'], expected a list of GPT-2 token ids"),
     ({"gpt2_ids": [1, 2, 3]}, "3 gpt2_ids for vocab_size=300, expected one GPT-2 id per token id"),
-    ({"vocab_size": None}, "vocab_size=None, expected an int >= 1"),
-    ({"vocab_size": True}, "vocab_size=True, expected an int >= 1"),
+    ({"vocab_size": None}, "vocab_size=None, expected an int >= 2"),
+    ({"vocab_size": True}, "vocab_size=True, expected an int >= 2"),
     ({"dtype": "uint8"}, "vocab_size=300, but its dtype uint8 holds ids up to 255 only"),
+    ({"vocab_size": 1, "gpt2_ids": [5]}, "vocab_size=1, expected an int >= 2 (one token leaves nothing to predict)"),
 ]
 
 
@@ -60,31 +61,46 @@ def test_bad_meta_stops_train_before_anything_is_written(data_dir, tmp_path):
     assert not (out_dir / "config.json").exists() and not (out_dir / "metrics.jsonl").exists()
 
 
+def corrupt_numpy_state(state):
+    name, key, pos, has_gauss, gauss = state["rng"][0]["numpy"]
+    state["rng"][0]["numpy"] = (name, key[:3], pos, has_gauss, gauss)  # a key of 3 words, not 624
+
+
 BAD_CHECKPOINTS = [
     ("best_val_loss", lambda state: state.pop("best_val_loss"), "lacks best_val_loss"),
     ("iter", lambda state: state.update(iter="4"), "its iter is '4', expected an int >= 0"),
     ("model_args", lambda state: state.update(model_args="GPTConfig()"),
      "its model_args is 'GPTConfig()', expected a dict of GPTConfig fields"),
+    ("unknown field", lambda state: state["model_args"].update(n_expert=4),
+     "its model_args has a field 'n_expert' that GPTConfig lacks (its fields: block_size, vocab_size"),
+    ("unknown attn", lambda state: state["model_args"].update(attn="flash"),
+     "its model_args has attn='flash', expected one of eager, tiled, triton, triton_fwd, sdpa"),
+    ("empty rng", lambda state: state.update(rng=[]),
+     "its rng is [], expected a list with one set of random states per process"),
+    ("numpy rng", corrupt_numpy_state, "its rng entry 0 is not a set of random states (IndexError: "),
+    ("scaler", lambda state: state.update(scaler={"scale": "big"}),
+     "its scaler is {'scale': 'big'}, expected a GradScaler's state: empty, or"),
 ]
 
 
 def corrupt_checkpoint(trained_out_dir, out_dir, corrupt):
     state = torch.load(trained_out_dir / "ckpt.pt", weights_only=True)
     corrupt(state)
-    save_checkpoint(state, str(out_dir))
+    save_checkpoint(state, str(out_dir / "ckpt.pt"))
 
 
 @pytest.mark.parametrize("key,corrupt,message", BAD_CHECKPOINTS, ids=[key for key, _, _ in BAD_CHECKPOINTS])
 def test_checkpoint_structure_is_checked(key, corrupt, message, trained_out_dir, tmp_path):
     corrupt_checkpoint(trained_out_dir, tmp_path, corrupt)
-    with pytest.raises(CheckpointError, match="is not a nanoFA2 checkpoint") as info:
-        load_checkpoint(str(tmp_path))
+    with pytest.raises(RunFileError, match="is not a nanoFA2 checkpoint") as info:
+        load_checkpoint(str(tmp_path / "ckpt.pt"))
     assert message in str(info.value)
 
 
 @pytest.mark.parametrize("script", ["train.py", "sample.py"])
-def test_a_malformed_checkpoint_is_one_line_and_exit_1(script, trained_out_dir, data_dir, tmp_path):
-    key, corrupt, message = BAD_CHECKPOINTS[1]
+@pytest.mark.parametrize("key,corrupt,message", BAD_CHECKPOINTS[1:], ids=[key for key, _, _ in BAD_CHECKPOINTS[1:]])
+def test_a_malformed_checkpoint_is_one_line_and_exit_1_before_any_work(script, key, corrupt, message, trained_out_dir,
+                                                                       data_dir, tmp_path):
     corrupt_checkpoint(trained_out_dir, tmp_path, corrupt)
     args = [f"--out_dir={tmp_path}", "--max_new_tokens=2", "--num_samples=1"]
     if script == "train.py":
@@ -93,6 +109,42 @@ def test_a_malformed_checkpoint_is_one_line_and_exit_1(script, trained_out_dir, 
     assert result.returncode == 1
     assert message in result.stderr and "Traceback" not in result.stderr
     assert len(result.stderr.strip().splitlines()) == 1
+    assert "parameters" not in result.stdout and not (tmp_path / "metrics.jsonl").exists()
+
+
+def test_resume_refuses_data_of_another_token_mapping_naming_the_token(trained_out_dir, data_dir, tmp_path):
+    shutil.copytree(data_dir, tmp_path / "data")
+    meta = json.loads((tmp_path / "data" / "meta.json").read_text())
+    ids = meta["gpt2_ids"]
+    first = next(i for i in range(len(ids) - 1) if ids[i] + 1 < ids[i + 1])  # one id that can move, staying sorted
+    old_id = ids[first]
+    ids[first] += 1  # the same size, another mapping
+    (tmp_path / "data" / "meta.json").write_text(json.dumps(meta))
+    (tmp_path / "out").mkdir()
+    shutil.copy(trained_out_dir / "ckpt.pt", tmp_path / "out" / "ckpt.pt")
+    result = run_script("train.py", "configs/tiny.py", f"--data_dir={tmp_path / 'data'}",
+                        f"--out_dir={tmp_path / 'out'}", "--init_from=resume")
+    assert result.returncode == 1
+    assert (f"was trained on another vocabulary than {tmp_path / 'data'} holds: token id {first} is GPT-2 token "
+            f"{old_id} there and {old_id + 1} here") in result.stderr
+    assert len(result.stderr.strip().splitlines()) == 1 and not (tmp_path / "out" / "metrics.jsonl").exists()
+
+
+@pytest.mark.parametrize("seed", [2**64, -1])
+def test_sample_rejects_a_seed_outside_torchs_range(seed, trained_out_dir):
+    result = run_script("sample.py", f"--out_dir={trained_out_dir}", f"--seed={seed}", "--max_new_tokens=2")
+    assert result.returncode == EXIT_BAD_CONFIG
+    assert result.stderr.startswith(f"config error: seed={seed}: expected an int in [0, 2**64 - 1]")
+    assert len(result.stderr.strip().splitlines()) == 1
+
+
+def test_sample_says_a_model_trained_here_has_no_end_of_text_token(trained_out_dir):
+    assert "<|endoftext|>" in run_script("sample.py", "--help").stdout
+    result = run_script("sample.py", f"--out_dir={trained_out_dir}", "--start=ROMEO:<|endoftext|>", "--device=cpu")
+    assert result.returncode == EXIT_BAD_CONFIG
+    assert "config error: start: <|endoftext|> is GPT-2's end-of-text token, which the text the model trained on " \
+           "never holds" in result.stderr
+    assert "Traceback" not in result.stderr
 
 
 @pytest.mark.parametrize("temperature", ["1e-45", "0.001", "0", "-1"])
@@ -112,13 +164,13 @@ def test_sample_takes_the_smallest_temperature(trained_out_dir):
 
 @pytest.mark.parametrize("attn", ["triton", "triton_fwd"])
 def test_sample_rejects_a_triton_backend_for_the_checkpoints_head_dim(attn, tmp_path):
-    """A checkpoint of head dim 24 (n_embd=48, n_head=2), trained with eager, sampled with triton."""
-    model_args = GPTConfig(block_size=16, vocab_size=50257, n_layer=1, n_head=2, n_embd=48, attn="eager")
+    """A checkpoint of head dim 18 (n_embd=36, n_head=2), trained with eager, sampled with triton."""
+    model_args = GPTConfig(block_size=16, vocab_size=50257, n_layer=1, n_head=2, n_embd=36, attn="eager")
     save_checkpoint({"model": GPT(model_args).state_dict(), "model_args": asdict(model_args), "iter": 1,
-                     "best_val_loss": 9.0}, str(tmp_path))
+                     "best_val_loss": 9.0}, str(tmp_path / "ckpt.pt"))
     result = run_script("sample.py", f"--out_dir={tmp_path}", f"--attn={attn}", "--max_new_tokens=2")
     assert result.returncode == EXIT_BAD_CONFIG
-    assert f"attn='{attn}' with n_embd=48 and n_head=2: the head dim n_embd / n_head = 24" in result.stderr
+    assert f"attn='{attn}' with n_embd=36 and n_head=2: the head dim n_embd / n_head = 18" in result.stderr
     assert "Traceback" not in result.stderr
 
 

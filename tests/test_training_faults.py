@@ -1,4 +1,5 @@
-"""Training faults (issue 7): NaN losses, signals, SIGKILL mid-write, bad checkpoints, bad data.
+"""Training faults: NaN losses, signals, SIGKILL mid-write, bad checkpoints, bad data, full
+disks, two runs in one out_dir.
 
 Every test runs train.py as a real subprocess; the signal tests send real signals.
 docs/guarantees.md lists the guarantee each test checks.
@@ -13,10 +14,11 @@ import time
 
 import numpy as np
 import pytest
+import torch
 
 from conftest import REPO, run_script, script_command
-from training.checkpoint import load_checkpoint
-from training.exit_codes import EXIT_OUT_OF_MEMORY
+from training.config import EXIT_OUT_OF_MEMORY
+from training.run_files import load_checkpoint, resume_point
 
 
 def start_train(args, log_dir):
@@ -59,11 +61,11 @@ def interrupt(signum, tiny_args, tmp_path):
     return process.wait(timeout=120), out_dir
 
 
-@pytest.mark.parametrize("signum", [signal.SIGINT, signal.SIGTERM], ids=["SIGINT", "SIGTERM"])
+@pytest.mark.parametrize("signum", [signal.SIGINT, signal.SIGTERM, signal.SIGHUP], ids=["SIGINT", "SIGTERM", "SIGHUP"])
 def test_signal_saves_a_checkpoint_at_the_current_iteration_and_exits_128_plus_signum(signum, tiny_args, tmp_path):
     returncode, out_dir = interrupt(signum, tiny_args, tmp_path)
     assert returncode == 128 + signum
-    stopped_at = load_checkpoint(str(out_dir))["iter"]
+    stopped_at = load_checkpoint(resume_point(str(out_dir)))["iter"]
     assert stopped_at == max(step_losses(out_dir))  # the last iteration it finished
     stdout = (tmp_path / "stdout.txt").read_text()
     assert f"stopped by {signum.name} at iter {stopped_at}" in stdout and "--init_from=resume" in stdout
@@ -73,7 +75,7 @@ def test_signal_saves_a_checkpoint_at_the_current_iteration_and_exits_128_plus_s
 def test_resume_after_an_interruption_reproduces_the_uninterrupted_losses(tiny_args, tmp_path):
     returncode, out_dir = interrupt(signal.SIGTERM, tiny_args, tmp_path)
     assert returncode == 128 + signal.SIGTERM
-    stopped_at = load_checkpoint(str(out_dir))["iter"]
+    stopped_at = load_checkpoint(resume_point(str(out_dir)))["iter"]
     common = [*tiny_args, "--eval_interval=100000", "--log_interval=1", "--dropout=0.1",
               f"--max_iters={stopped_at + 3}"]
     resumed = run_script("train.py", *common, "--init_from=resume")
@@ -101,13 +103,13 @@ def test_sigkill_during_checkpoint_writes_leaves_a_loadable_checkpoint(tiny_args
         process.send_signal(signal.SIGKILL)
         assert process.wait(timeout=60) == -signal.SIGKILL
         killed_mid_write += partial.exists()
-        saved_iters.append(load_checkpoint(str(out_dir))["iter"])  # loads: not torn
+        saved_iters.append(load_checkpoint(str(ckpt))["iter"])  # loads: not torn
     assert killed_mid_write >= 1  # at least one kill landed inside a write
     assert saved_iters == sorted(saved_iters) and saved_iters[0] >= 1
     final = run_script("train.py", *tiny_args, "--eval_interval=1", "--eval_iters=1",
                        f"--max_iters={saved_iters[-1] + 2}", "--init_from=resume")
     assert final.returncode == 0, final.stderr
-    assert load_checkpoint(str(out_dir))["iter"] == saved_iters[-1] + 2
+    assert load_checkpoint(str(ckpt))["iter"] == saved_iters[-1] + 2
 
 
 def test_non_finite_loss_stops_naming_the_iteration_and_keeps_the_last_good_checkpoint(trained_out_dir, tiny_args,
@@ -209,8 +211,6 @@ DATA_FAULTS = {
     "wrong dtype": (corrupt_wrong_dtype, [], "4 bytes per token, not 2 (uint16): wrong dtype?"),
     "token ids": (corrupt_token_ids, [], "val.bin holds token id 60000, outside the vocabulary of 11706"),
     "missing": (corrupt_missing_without_source, [], "TINYSHAKESPEARE_PATH="),
-    "block_size too long": (lambda folder: None, ["--block_size=40000"],
-                            "block_size=40000 needs at least 40001 tokens per sample, but"),
 }
 
 
@@ -238,8 +238,8 @@ def shim_env(name, **variables):
 
 
 def test_a_signal_never_saves_weights_whose_loss_is_not_finite(trained_out_dir, tiny_args, tmp_path):
-    # Issue 17 item 3: a diverging step gives a finite loss, then weights that do not. A
-    # SIGTERM right after that step must not save them over the iter-4 checkpoint.
+    # A diverging step gives a finite loss, then weights that do not. A SIGTERM right after
+    # that step must not save them (the iter-4 checkpoint stays the last one).
     (tmp_path / "out").mkdir()
     shutil.copy(trained_out_dir / "ckpt.pt", tmp_path / "out" / "ckpt.pt")
     good_bytes = (tmp_path / "out" / "ckpt.pt").read_bytes()
@@ -280,12 +280,13 @@ def test_an_unusable_out_dir_is_a_config_error_before_any_work(where, tiny_args,
     if where == "read-only":
         out_dir.mkdir(mode=0o500)
     expected = {"a file": f"out_dir='{out_dir}' is a file; expected a folder",
-                "under a file": f"out_dir='{out_dir}': cannot write there (Not a directory)",
-                "read-only": f"out_dir='{out_dir}': cannot write there (Permission denied)"}[where]
+                "under a file": f"out_dir='{out_dir}': cannot write there (Not a directory: {tmp_path / 'file'} is a file)",
+                "read-only": f"out_dir='{out_dir}': cannot write there (Permission denied in {out_dir})"}[where]
     result = run_script("train.py", *tiny_args, f"--out_dir={out_dir}")
     assert result.returncode == 2
     assert result.stderr.startswith(f"config error: {expected}") and len(result.stderr.strip().splitlines()) == 1
     assert "parameters" not in result.stdout  # nothing was built
+    assert where == "read-only" or not os.path.isdir(out_dir)  # nothing was made
 
 
 def test_a_full_disk_during_a_checkpoint_is_one_line_and_leaves_no_partial_file(tiny_args, tmp_path):
@@ -329,16 +330,17 @@ def test_two_signals_10_ms_apart_stop_at_once_without_saving(tiny_args, tmp_path
 
 
 def test_a_signal_stops_a_long_evaluation_and_saves_the_iteration(tiny_args, tmp_path):
-    # Issue 17 item 20: 100,000 evaluation batches take hours; the signal stops them after
-    # the current batch. The evaluation shows its progress meanwhile (issue 18 item 2).
+    # 100,000 evaluation batches take hours; the signal stops them after the current batch.
+    # The evaluation shows its progress meanwhile, with the time left of it and of the run.
     out_dir = tmp_path / "out"
     process = start_train([*tiny_args, "--max_iters=10", "--eval_iters=100000"], tmp_path)
     stdout = tmp_path / "stdout.txt"
-    wait_until(lambda: "evaluating at iter 0: train batch " in stdout.read_text(), process)
+    wait_until(lambda: "the run's ETA" in stdout.read_text(), process)
+    assert re.search(r"evaluating at iter 0: train batch \d+/100000, ETA [\d:]+; the run's ETA [\d:]+", stdout.read_text())
     process.send_signal(signal.SIGINT)
     assert process.wait(timeout=120) == 128 + signal.SIGINT
-    assert f"stopped by SIGINT at iter 0; checkpoint saved in {out_dir / 'ckpt.pt'}" in stdout.read_text()
-    assert load_checkpoint(str(out_dir))["iter"] == 0
+    assert f"stopped by SIGINT at iter 0; checkpoint saved in {out_dir / 'resume.pt'}" in stdout.read_text()
+    assert load_checkpoint(str(out_dir / "resume.pt"))["iter"] == 0
     stderr = (tmp_path / "stderr.txt").read_text()
     assert "Traceback" not in stderr and "sized for a GPU" not in stderr  # configs/tiny.py fits a CPU
 
@@ -350,3 +352,121 @@ def test_a_config_sized_for_a_gpu_warns_on_the_cpu_in_one_line(data_dir, tmp_pat
     assert result.returncode == 0, result.stderr
     warnings = [line for line in result.stderr.splitlines() if "sized for a GPU" in line]
     assert len(warnings) == 1 and "configs/tiny.py" in warnings[0]
+
+
+def records(out_dir):
+    """metrics.jsonl without the timings: what a resumed run must log as an uninterrupted one does."""
+    timing = {"step_ms", "tokens_per_s", "mfu", "peak_mem_mb", "warmup"}
+    return [{key: value for key, value in json.loads(line).items() if key not in timing}
+            for line in (out_dir / "metrics.jsonl").read_text().splitlines()]
+
+
+def assert_same_checkpoint(path, expected_path):
+    """Every entry alike, tensors bit for bit; of the settings, init_from and out_dir differ, as they must."""
+    def same(a, b):
+        if isinstance(a, torch.Tensor):
+            return isinstance(b, torch.Tensor) and a.dtype == b.dtype and torch.equal(a, b)
+        if isinstance(a, dict):
+            return isinstance(b, dict) and a.keys() == b.keys() and all(same(a[k], b[k]) for k in a)
+        if isinstance(a, (list, tuple)):
+            return type(a) is type(b) and len(a) == len(b) and all(map(same, a, b))
+        return a == b
+
+    state, expected = (torch.load(p, weights_only=True) for p in (path, expected_path))
+    assert state["config"].pop("init_from") == "resume" and expected["config"].pop("init_from") == "scratch"
+    assert state["config"].pop("out_dir") != expected["config"].pop("out_dir")
+    assert state.keys() == expected.keys()
+    assert [key for key in state if not same(state[key], expected[key])] == []
+
+
+@pytest.mark.parametrize("signal_after", [6, 4], ids=["between evaluations", "at an evaluation"])
+def test_a_signal_keeps_the_best_checkpoint_and_the_resumed_run_ends_as_an_uninterrupted_one(signal_after, tiny_args,
+                                                                                               tmp_path):
+    """ckpt.pt is the best checkpoint (always_save_checkpoint=False). A SIGTERM after step 6
+    saves resume.pt and leaves ckpt.pt (iter 4) alone; one after step 4 cuts that iteration's
+    evaluation short, which the resumed run runs again. Either way the resumed run logs what an
+    uninterrupted one does and ends with its checkpoint, bit for bit."""
+    common = [*tiny_args, "--always_save_checkpoint=False", "--eval_interval=4", "--max_iters=12", "--log_interval=1",
+              "--dropout=0.1"]
+    straight = run_script("train.py", *common, f"--out_dir={tmp_path / 'straight'}")
+    assert straight.returncode == 0, straight.stderr
+    out_dir = tmp_path / "out"
+    stopped = run_script("train.py", *common, env=shim_env("signal_after_step", SIGNAL_AFTER_STEPS=str(signal_after)))
+    assert stopped.returncode == 128 + signal.SIGTERM, stopped.stderr
+    assert f"stopped by SIGTERM at iter {signal_after}; checkpoint saved in {out_dir / 'resume.pt'}" in stopped.stdout
+    assert load_checkpoint(str(out_dir / "resume.pt"))["iter"] == signal_after
+    if signal_after == 6:
+        assert load_checkpoint(str(out_dir / "ckpt.pt"))["iter"] == 4  # the best so far, not the signal's
+    else:
+        assert not (out_dir / "ckpt.pt").exists()  # iter 4's evaluation never finished, iter 0's saves nothing
+        assert [r["iter"] for r in records(out_dir) if "val_loss" in r] == [0]
+    resumed = run_script("train.py", *common, "--init_from=resume")
+    assert resumed.returncode == 0, resumed.stderr
+    assert ("its evaluation cut short by a signal: evaluating again" in resumed.stdout) == (signal_after == 4)
+    assert records(out_dir) == records(tmp_path / "straight")
+    assert_same_checkpoint(out_dir / "ckpt.pt", tmp_path / "straight" / "ckpt.pt")
+    assert not (out_dir / "resume.pt").exists()  # the later ckpt.pt superseded it
+
+
+def test_two_runs_started_at_once_in_one_out_dir_one_refuses(tiny_args, tmp_path):
+    out_dir = tmp_path / "out"
+    commands = [script_command("train.py", *tiny_args, "--max_iters=30", "--eval_interval=30", "--log_interval=1",
+                               f"--seed={seed}") for seed in (1, 2)]
+    processes = [subprocess.Popen(command, cwd=REPO, stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True)
+                 for command in commands]
+    results = [(p.wait(timeout=300), p.stderr.read()) for p in processes]
+    assert sorted(code for code, _ in results) == [0, 2], results
+    refused = next(err for code, err in results if code == 2)
+    assert refused.startswith(f"config error: out_dir='{out_dir}'") and len(refused.strip().splitlines()) == 1
+    assert [r["iter"] for r in records(out_dir) if "loss" in r] == list(range(1, 31))  # one run's records
+    assert load_checkpoint(str(out_dir / "ckpt.pt"))["config"]["seed"] == json.loads(
+        (out_dir / "config.json").read_text())["seed"]
+
+
+def test_a_run_told_to_overwrite_a_run_in_progress_refuses(tiny_args, tmp_path):
+    out_dir = tmp_path / "out"
+    process = start_train([*tiny_args, "--max_iters=100000", "--eval_interval=100000", "--log_interval=1"], tmp_path)
+    try:
+        wait_until(lambda: len(step_losses(out_dir)) >= 1, process)
+        second = run_script("train.py", *tiny_args, "--overwrite=True", "--max_iters=1")
+    finally:
+        process.kill()
+        process.wait(timeout=60)
+    assert second.returncode == 2
+    assert second.stderr == (f"config error: out_dir='{out_dir}' is in use by another train.py run; wait for it to "
+                             "end, or pick another out_dir\n")
+
+
+@pytest.mark.parametrize("name, modes", [("metrics.jsonl", "a"), ("metrics.jsonl", "w"), ("config.json", "w")])
+def test_a_full_disk_during_a_metrics_or_config_write_is_one_line(name, modes, tiny_args, tmp_path):
+    result = run_script("train.py", *tiny_args, "--max_iters=2", env=shim_env("disk_full", DISK_FULL=f"{name}:{modes}"))
+    assert result.returncode == 1
+    lines = result.stderr.strip().splitlines()
+    assert len(lines) == 1 and "Traceback" not in result.stderr
+    assert lines[0].startswith(f"error: could not write {tmp_path / 'out' / name} (No space left on device; ")
+
+
+def test_resume_with_a_metrics_file_that_is_not_utf8_is_one_line(trained_out_dir, tiny_args, tmp_path):
+    (tmp_path / "out").mkdir()
+    shutil.copy(trained_out_dir / "ckpt.pt", tmp_path / "out" / "ckpt.pt")
+    (tmp_path / "out" / "metrics.jsonl").write_bytes(b'{"iter": 1, "loss": 9.1}\n\xff\xfe\x00binary\n')
+    result = run_script("train.py", *tiny_args, "--init_from=resume", "--max_iters=5")
+    assert result.returncode == 1
+    assert result.stderr.startswith(f"error: {tmp_path / 'out' / 'metrics.jsonl'} cannot be read as train.py's "
+                                    "metrics (UnicodeDecodeError")
+    assert len(result.stderr.strip().splitlines()) == 1
+
+
+@pytest.mark.parametrize("text, status, message", [
+    ("To be, or not to be: that is the question.\n" * 70, 0, "holds only "),
+    (" the" * 1000, 1, "the text gives a vocabulary of 1 token (4,000 characters): there is nothing to predict"),
+], ids=["3 kB", "one token"])
+def test_data_too_small_is_warned_about_and_a_single_token_refused(text, status, message, tmp_path):
+    (tmp_path / "input.txt").write_text(text)
+    result = run_script("train.py", "configs/tiny.py", f"--data_dir={tmp_path / 'data'}", f"--out_dir={tmp_path / 'out'}",
+                        "--max_iters=0", "--eval_iters=1", env=dict(os.environ, TINYSHAKESPEARE_PATH=str(tmp_path / "input.txt")))
+    assert result.returncode == status, result.stderr
+    assert message in result.stderr and "Traceback" not in result.stderr
+    if status == 0:
+        warning = next(line for line in result.stderr.splitlines() if message in line)
+        assert re.search(r"holds only [\d,]+ train and [\d,]+ val tokens over a vocabulary of [\d,]+ ", warning)

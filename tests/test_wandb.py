@@ -6,7 +6,7 @@ import struct
 import subprocess
 
 from conftest import REPO, run_script, script_command
-from training.metrics import read_metrics
+from training.run_files import read_metrics
 
 NO_WANDB = REPO / "tests" / "shims" / "no_wandb"
 LOGGED_KEYS = {"loss", "lr", "step_ms", "tokens_per_s", "mfu", "peak_mem_mb", "warmup", "train_loss", "val_loss"}

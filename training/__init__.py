@@ -1,8 +1,12 @@
-"""What the scripts share to run training: settings (configurator, train_config), checkpoints,
-devices, a run's files (metrics, atomic), data-parallel processes (ddp), profiling and the exit
-statuses (exit_codes).
+"""What the scripts share:
+
+    config.py     settings: the configurator (dataclass, config files, --key=value), the exit
+                  statuses, TrainConfig and its checks; imports no torch, so it answers at once
+    devices.py    device, precision, CPU threads, torchrun's processes, stop signals, the step's CUDA graph
+    run_files.py  a run's out_dir: checkpoints, metrics, config.json, its lock
+    profiling.py  where a training step's time goes
 
 A regular package (not a namespace one), so no installed module named `training` can shadow it.
-Layout: the scripts import training/, training/ imports model.py (profiling reads its ranges);
-model.py and attention/ never import training/.
+The scripts import training/; training/ imports model.py (profiling reads its ranges, run_files
+checks checkpoints against GPTConfig); model.py and attention/ never import training/.
 """

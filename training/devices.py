@@ -1,13 +1,22 @@
-"""Which device and precision a script runs with, and what the card can do at best.
+"""Where a script runs: its device, precision and CPU threads, the processes torchrun starts,
+the signals that stop a run, and the training step as one CUDA graph.
 
-Shared by the scripts so that `device=auto` and `dtype=auto` mean the same everywhere:
-the GPU when there is one, bf16 autocast on GPUs that support it, fp16 (with a gradient
-scaler, see train.py) on older ones, and plain fp32 on the CPU. Generation in bf16 casts the
-weights instead of autocasting (generation_precision).
+`device=auto` and `dtype=auto` mean the same in every script: the GPU when there is one, bf16
+autocast on GPUs that support it, fp16 (with a gradient scaler, see train.py) on older ones,
+and plain fp32 on the CPU. A setting this machine cannot run is a ConfigError (exit 2), like
+any other bad setting. Generation in bf16 casts the weights instead of autocasting
+(generation_precision).
 """
 import contextlib
+import os
+import signal
+import sys
+import threading
 
 import torch
+import torch.distributed as dist
+
+from training.config import ConfigError
 
 # Dense bf16 tensor-core throughput with fp32 accumulation, from NVIDIA's datasheets.
 # MFU (model FLOPs utilisation) is measured against it. Matched against
@@ -20,10 +29,11 @@ PEAK_BF16_FLOPS = (
     ("h100", 989e12),  # SXM
     ("h200", 989e12),
 )
-
-
-class DeviceError(RuntimeError):
-    pass
+# Below this many FLOP a call (a micro-batch's forward and backward, a decoded token) is too
+# small to share among cores: on 2 cores configs/tiny.py's step (2.7 GFLOP) is 1.6x faster on a
+# quiet machine with 2 threads, but 4-10x slower with 2 threads than with 1 while another
+# process keeps one core busy, as torch's threads spin waiting for each other.
+ONE_THREAD_FLOP = 1e10
 
 
 def pick_device(name):
@@ -31,7 +41,7 @@ def pick_device(name):
     if name == "auto":
         name = "cuda" if torch.cuda.is_available() else "cpu"
     if name == "cuda" and not torch.cuda.is_available():
-        raise DeviceError("device='cuda' but torch sees no CUDA GPU (use device=cpu or device=auto)")
+        raise ConfigError("device='cuda' but torch sees no CUDA GPU (use device=cpu or device=auto)")
     return torch.device(name)
 
 
@@ -42,10 +52,34 @@ def pick_dtype(name, device):
             return torch.float32
         return torch.bfloat16 if torch.cuda.is_bf16_supported() else torch.float16
     if name == "float16" and device.type != "cuda":
-        raise DeviceError("dtype='float16' needs a CUDA device; on the CPU use float32 or bfloat16")
+        raise ConfigError("dtype='float16' needs a CUDA device; on the CPU use float32 or bfloat16")
     if name == "bfloat16" and device.type == "cuda" and not torch.cuda.is_bf16_supported():
-        raise DeviceError("dtype='bfloat16' is not supported by this GPU; use float16 or auto")
+        raise ConfigError("dtype='bfloat16' is not supported by this GPU; use float16 or auto")
     return getattr(torch, name)
+
+
+def choose_cpu_threads(flop_per_call, processes=1):
+    """Set torch's CPU threads for work that comes in calls of flop_per_call FLOP, unless
+    OMP_NUM_THREADS chose; returns the line that says what was chosen and why."""
+    cores = len(os.sched_getaffinity(0))
+    if "OMP_NUM_THREADS" in os.environ:
+        return f"CPU threads: {torch.get_num_threads()} of {cores} cores (OMP_NUM_THREADS)"
+    if flop_per_call < ONE_THREAD_FLOP:
+        torch.set_num_threads(1)
+        return (f"CPU threads: 1 of {cores} cores: a call of {flop_per_call / 1e9:.2g} GFLOP is too small to share "
+                "(OMP_NUM_THREADS=n sets another count)")
+    threads = max(1, cores // processes)
+    torch.set_num_threads(threads)
+    return f"CPU threads: {threads} of {cores} cores (OMP_NUM_THREADS=n sets another count)"
+
+
+def warn_if_sized_for_a_gpu(flop_per_iter):
+    """A one-line warning for a run sized for a GPU on the CPU, which does some 1e10-1e11
+    FLOP/s in training: past 1e11 FLOP an iteration takes seconds to minutes."""
+    if flop_per_iter > 1e11:
+        print(f"warning: this config is sized for a GPU ({flop_per_iter / 1e12:.1f} TFLOP per iteration) and runs on the "
+              "CPU, where each iteration and evaluation batch may take minutes; configs/tiny.py is sized for a CPU "
+              "(python train.py configs/tiny.py)", file=sys.stderr)
 
 
 def autocast(device, dtype):
@@ -84,10 +118,7 @@ def peak_flops(device):
     if device.type != "cuda":
         return None
     name = torch.cuda.get_device_name(device).lower()
-    for key, flops in PEAK_BF16_FLOPS:
-        if key in name:
-            return flops
-    return None
+    return next((flops for key, flops in PEAK_BF16_FLOPS if key in name), None)
 
 
 def peak_memory_mb(device):
@@ -97,15 +128,184 @@ def peak_memory_mb(device):
     return torch.cuda.max_memory_allocated(device) / 2**20
 
 
-def cap_memory(device, max_gb):
+def cap_memory(device, max_gb, announce):
     """Let torch's CUDA allocator hold at most max_gb GiB on `device`, so a big card runs out
     of memory where a smaller one would (an H200 acting as a 12 GB card). The CUDA context and
-    anything allocated outside torch are not counted. Returns the card's own GiB."""
+    anything allocated outside torch are not counted."""
     if device.type != "cuda":
-        raise DeviceError(f"max_memory_gb={max_gb:g} caps CUDA memory, but the device is {device.type}; "
+        raise ConfigError(f"max_memory_gb={max_gb:g} caps CUDA memory, but the device is {device.type}; "
                           "leave max_memory_gb at 0 there")
     index = device.index if device.index is not None else torch.cuda.current_device()  # torch wants an index here
     total_gb = torch.cuda.get_device_properties(index).total_memory / 2**30
     # A cap above the card's size would be an error to torch; the card itself is the cap then.
     torch.cuda.set_per_process_memory_fraction(min(max_gb / total_gb, 1.0), index)
-    return total_gb
+    if announce:
+        print(f"CUDA memory capped at {max_gb:g} GiB (the card has {total_gb:.1f} GiB)")
+
+
+def is_out_of_memory(error):
+    """The GPU's allocator raises torch.OutOfMemoryError; the host's raise a RuntimeError
+    (torch's CPU allocator) or MemoryError (numpy, Python)."""
+    return (isinstance(error, (torch.OutOfMemoryError, MemoryError))
+            or "DefaultCPUAllocator: can't allocate memory" in str(error))
+
+
+def out_of_memory_message(config, world):
+    """What ran out of memory and what would need less, for the one-line error (exit 3)."""
+    where = f" on rank {world.rank}" if world.distributed else ""
+    cap = f" under max_memory_gb={config.max_memory_gb:g}" if config.max_memory_gb else ""
+    hint = "; a FlashAttention backend never holds the block_size x block_size scores" if config.attn == "eager" else ""
+    return (f"out of memory{where}{cap} with attn={config.attn}, block_size={config.block_size}, "
+            f"batch_size={config.batch_size}. A smaller batch_size or block_size needs less{hint}")
+
+
+class World:
+    """This process's place among the training processes torchrun starts (one per GPU, or
+    several on the CPU), and what they do together. torchrun gives each process RANK,
+    LOCAL_RANK (its index on this machine, which picks its GPU) and WORLD_SIZE. A process
+    started without torchrun is rank 0 of 1, and every method below does nothing or returns
+    its own value, so train.py has one code path."""
+
+    def __init__(self):
+        self.distributed = "RANK" in os.environ
+        self.rank = int(os.environ.get("RANK", 0))
+        self.local_rank = int(os.environ.get("LOCAL_RANK", 0))
+        self.size = int(os.environ.get("WORLD_SIZE", 1))
+        self.is_main = self.rank == 0  # the one process that logs, evaluates and saves
+        self.device = None
+
+    def start(self, device):
+        """Join the other processes; returns the device this process trains on (its own GPU)."""
+        if not self.distributed:
+            return device
+        if device.type == "cuda":
+            device = torch.device("cuda", self.local_rank)
+            torch.cuda.set_device(device)
+            dist.init_process_group(backend="nccl", device_id=device)  # GPU to GPU, over NVLink where there is one
+        else:
+            dist.init_process_group(backend="gloo")  # PyTorch's CPU backend
+        self.device = device
+        return device
+
+    def stop(self):
+        if self.distributed and dist.is_initialized():
+            dist.destroy_process_group()
+
+    def barrier(self):
+        if self.distributed:
+            dist.barrier()
+
+    def mean_(self, tensor):
+        """Average `tensor` over the processes, in place (gloo has SUM but no AVG)."""
+        if self.distributed:
+            dist.all_reduce(tensor, op=dist.ReduceOp.SUM)
+            tensor /= self.size
+        return tensor
+
+    def max(self, value):
+        """The largest of the ints the processes hold; every process gets it."""
+        if not self.distributed:
+            return value
+        tensor = torch.tensor(value, device=self.device)
+        dist.all_reduce(tensor, op=dist.ReduceOp.MAX)
+        return int(tensor.item())
+
+    def gather(self, obj):
+        """Every process's `obj` (picklable), as a list in rank order; every process gets it."""
+        if not self.distributed:
+            return [obj]
+        objs = [None] * self.size
+        dist.all_gather_object(objs, obj)
+        return objs
+
+
+class StopSignals:
+    """SIGINT (Ctrl-C), SIGTERM (`kill`, job schedulers) and SIGHUP (a closed terminal or ssh
+    session) ask train.py to stop at the next iteration boundary, the one point where model,
+    optimizer and random streams agree, so the checkpoint saved there resumes exactly; an
+    evaluation in progress stops after its current batch. A second signal stops the process at
+    once without saving (the checkpoints on disk are intact either way), with exit status
+    128 + its number.
+
+    Python runs a signal handler in the main thread between bytecodes, so two signals that
+    arrive during one long torch call would run it once. Python's C-level handler also writes
+    one byte per signal to the wakeup fd, whatever the main thread is doing; a thread counts
+    those bytes and stops the process at the second, so no signal is lost and a stuck main
+    thread does not delay the stop. Under torchrun, signal torchrun: it passes the signal on to
+    every process, and they agree on the iteration to stop at."""
+
+    SIGNALS = (signal.SIGINT, signal.SIGTERM, signal.SIGHUP)
+
+    def __init__(self, announce):
+        self.received = None
+        self.announce = announce  # rank 0 alone says what happens next, as it alone saves
+        wakeup_read, wakeup_write = os.pipe()
+        os.set_blocking(wakeup_write, False)  # the C handler must never block
+        signal.set_wakeup_fd(wakeup_write)
+        for signum in self.SIGNALS:
+            signal.signal(signum, self._handle)
+        threading.Thread(target=self._count, args=(wakeup_read,), daemon=True).start()
+
+    def _handle(self, signum, frame):
+        if self.received is None:
+            self.received = signum
+            if self.announce:  # os.write, not print: print is not safe to re-enter from a signal handler
+                os.write(2, f"\n{signal.Signals(signum).name}: stopping after this iteration and saving a "
+                            "checkpoint (send a second signal to stop at once, without saving)\n".encode())
+
+    def _count(self, wakeup_read):
+        count = 0
+        while True:
+            for signum in os.read(wakeup_read, 64):
+                count += signum in self.SIGNALS
+                if count >= 2:
+                    os.write(2, f"\nsecond signal ({signal.Signals(signum).name}): stopped at once, without "
+                                "saving; the checkpoints on disk are intact\n".encode())
+                    os._exit(128 + signum)
+
+
+class StepGraph:
+    """A training step's forward and backward passes as one CUDA graph (train.py's cuda_graph).
+    Each micro-batch of the default model is several hundred small kernels, which PyTorch
+    issues one by one from Python; on a slow or busy host that takes longer than the GPU takes
+    to run them, so the host sets the pace. A graph records the kernels once, and every later
+    step launches them all with one call.
+
+    Calls forward_backward(batches) -> loss-sum tensor, which also leaves the step's gradients
+    in .grad (it zeroes them in place first: the graph writes them where the last step left
+    them, so nothing may set them to None). The optimizer stays outside, so train.py still reads
+    the loss and skips a step whose loss is not finite. Capture needs fixed addresses and no
+    host work inside the step: the first call runs uncaptured on a side stream, as torch's
+    CUDA-graph docs ask (it compiles, tunes the Triton kernels and sets up cuBLAS); the second
+    captures and replays; later calls copy their batches into the captured ones and replay.
+    Every call's batches must have the first call's shapes and dtypes. Dropout draws new
+    numbers at every replay: capture registers torch's CUDA generator, and each replay moves
+    its offset on."""
+
+    def __init__(self, forward_backward):
+        self.forward_backward = forward_backward
+        self.warmed_up = False
+        self.graph = None
+        self.static_batches = None
+        self.static_loss_sum = None
+
+    def __call__(self, batches):
+        if not self.warmed_up:
+            side_stream = torch.cuda.Stream()
+            side_stream.wait_stream(torch.cuda.current_stream())
+            with torch.cuda.stream(side_stream):
+                loss_sum = self.forward_backward(batches)
+            torch.cuda.current_stream().wait_stream(side_stream)
+            self.warmed_up = True
+            return loss_sum
+        if self.graph is None:
+            self.static_batches = [tuple(t.clone() for t in batch) for batch in batches]
+            self.graph = torch.cuda.CUDAGraph()
+            with torch.cuda.graph(self.graph):
+                self.static_loss_sum = self.forward_backward(self.static_batches)
+        else:
+            for static_batch, batch in zip(self.static_batches, batches, strict=True):
+                for static, new in zip(static_batch, batch, strict=True):
+                    static.copy_(new)
+        self.graph.replay()
+        return self.static_loss_sum

@@ -21,13 +21,15 @@ templates); a fused kernel that mixes attention with other work counts as everyt
 """
 import json
 import os
+import sys
 
 import torch
 from torch.autograd import DeviceType
 from torch.profiler import ProfilerActivity, profile, schedule
 
+from data.shakespeare.prepare import write_atomically
 from model import ATTENTION_RANGE, OUTPUT_RANGE
-from training.atomic import write_atomically
+from training.devices import peak_memory_mb
 
 PROFILE_STEPS = 3  # steps recorded, after one the profiler warms up on
 PROFILE_NAME = "profile.json"
@@ -46,10 +48,12 @@ MATMUL_OPS = {"aten::mm", "aten::addmm", "aten::bmm", "aten::baddbmm", "aten::ma
 BACKWARD_NODE = "autograd::engine::evaluate_function: "
 
 
-def step_profiler(out_dir, skip_steps, on_result):
-    """A torch.profiler that skips skip_steps steps, warms up on one and records
+def step_profiler(out_dir, skip_steps, model, batch, amp, **labels):
+    """A started torch.profiler that skips skip_steps steps, warms up on one and records
     PROFILE_STEPS; call .step() after every training step. When the recorded steps end, it
-    hands on_result the category times (see attribute) and writes the trace to out_dir."""
+    writes their category times (see attribute) to out_dir/profile.json with `labels`, the peak
+    memory and what attention saves for backward (of model on batch, under amp), says so in a
+    line, and writes the trace."""
     activities = [ProfilerActivity.CPU] + ([ProfilerActivity.CUDA] if torch.cuda.is_available() else [])
 
     def ready(prof):
@@ -58,11 +62,14 @@ def step_profiler(out_dir, skip_steps, on_result):
         # CPU ranges only: on a GPU each step's range also shows up as a GPU-side annotation.
         steps = sum(e.name.startswith("ProfilerStep") and e.device_type == DeviceType.CPU for e in events)
         if steps == PROFILE_STEPS:
-            on_result(attribute(events))
+            print(write_profile(out_dir, {**attribute(events), **labels, "peak_mem_mb": peak_memory_mb(batch[0].device),
+                                          "attention_saved_mb": attention_saved_mb(model, *batch, amp)}))
             prof.export_chrome_trace(os.path.join(out_dir, TRACE_NAME))
 
-    return profile(activities=activities, on_trace_ready=ready,
-                   schedule=schedule(skip_first=skip_steps, wait=0, warmup=1, active=PROFILE_STEPS, repeat=1))
+    profiler = profile(activities=activities, on_trace_ready=ready,
+                       schedule=schedule(skip_first=skip_steps, wait=0, warmup=1, active=PROFILE_STEPS, repeat=1))
+    profiler.start()
+    return profiler
 
 
 def ancestors(event):
@@ -187,9 +194,22 @@ def attention_saved_mb(model, x, y, amp):
 
 
 def write_profile(out_dir, result):
-    with write_atomically(os.path.join(out_dir, PROFILE_NAME)) as f:
+    """out_dir/profile.json; returns the line that sums it up."""
+    path = os.path.join(out_dir, PROFILE_NAME)
+    with write_atomically(path, "w") as f:
         json.dump(result, f, indent=2)
         f.write("\n")
+    unit = "GPU kernels" if result["device"] == "cuda" else "CPU ops"
+    return (f"profiled {result['steps']} steps: {result['step_ms']:.1f} ms/step, "
+            + ", ".join(f"{category} {ms:.2f}" for category, ms in result["ms"].items()) + f" (ms, {unit}); {path}")
+
+
+def stop_profiler(profiler, out_dir, skip_steps):
+    """Stop the profiler, warning when the run ended before its steps were recorded."""
+    profiler.stop()
+    if not os.path.exists(os.path.join(out_dir, PROFILE_NAME)):
+        print(f"warning: profile=True but the run stopped before its steps {skip_steps + 2}-{skip_steps + 1 + PROFILE_STEPS}"
+              " were profiled: nothing written", file=sys.stderr)
 
 
 def remove_profile(out_dir):

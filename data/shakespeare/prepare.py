@@ -22,12 +22,12 @@ densely (DenseVocab below) and stored as uint16. meta.json records the dtype, th
 counts, so the trainer can tell a truncated or wrong-dtype file from a good one, and the
 character counts, so a loss in nats per token converts to bits per character.
 
-Every file is written to a temporary name in the same folder and renamed into place, so a
-run killed half way leaves either the old file or the new one, never a torn one; meta.json
-is removed first and written last, so its presence means the bins beside it are complete.
-Running the script twice is harmless, and so is running it several times at once: each
-preparation holds a lock on the folder (flock, released by the OS if the process dies) and
-writes temporary files of unique names.
+Every file is written to a temporary name in the same folder and renamed into place
+(write_atomically, which train.py's checkpoints use too), so a run killed half way leaves
+either the old file or the new one, never a torn one; meta.json is removed first and written
+last, so its presence means the bins beside it are complete. Running the script twice is
+harmless, and so is running it several times at once: each preparation holds a lock on the
+folder (folder_lock: flock, released by the OS if the process dies).
 """
 import argparse
 import contextlib
@@ -35,7 +35,6 @@ import fcntl
 import json
 import os
 import sys
-import uuid
 import urllib.error
 import urllib.request
 
@@ -103,21 +102,25 @@ def prepare(out_dir=DEFAULT_OUT_DIR, input_path=None, skip_if=None):
     as it is and None returned. For callers that found the folder unprepared and may have
     waited for the lock while another process prepared it (re-preparing would delete the
     meta.json that process is about to read)."""
-    os.makedirs(out_dir, exist_ok=True)
     use_shared_data()
-    with folder_lock(out_dir):
-        if skip_if is not None and skip_if(out_dir):
-            return None
-        return write_dataset(out_dir, input_path)
+    try:
+        os.makedirs(out_dir, exist_ok=True)
+        with folder_lock(out_dir):
+            if skip_if is not None and skip_if(out_dir):
+                return None
+            return write_dataset(out_dir, input_path)
+    except OSError as e:  # a file where the folder should be, no permission, a full disk
+        raise PrepareError(f"cannot write the data to {out_dir!r}: {e.strerror or e} ({e.filename or out_dir})") from None
 
 
 @contextlib.contextmanager
-def folder_lock(path):
+def folder_lock(path, wait=True):
     """Exclusive use of a folder among processes that ask for it, without a lock file to leave
-    behind: flock on the folder itself."""
+    behind: flock on the folder itself. wait=False raises BlockingIOError when another process
+    holds it."""
     fd = os.open(path, os.O_RDONLY)
     try:
-        fcntl.flock(fd, fcntl.LOCK_EX)
+        fcntl.flock(fd, fcntl.LOCK_EX | (0 if wait else fcntl.LOCK_NB))
         yield
     finally:
         os.close(fd)  # closing releases the lock
@@ -135,14 +138,19 @@ def write_dataset(out_dir, input_path):
     gpt2_tokens = {split: np.array(encoder.encode_ordinary(split_text), dtype=np.int64)
                    for split, split_text in splits.items()}
     vocab = DenseVocab.of_corpus(gpt2_tokens.values())
+    if len(vocab) < 2:
+        raise PrepareError(f"the text gives a vocabulary of {len(vocab)} token ({len(text):,} characters): "
+                           "there is nothing to predict; use a real text")
     meta = {"encoding": ENCODING, "vocab_size": len(vocab), "dtype": np.dtype(TOKEN_DTYPE).name}
     for split, tokens in gpt2_tokens.items():
         dense = vocab.to_dense(tokens).astype(TOKEN_DTYPE)
-        write_atomically(os.path.join(out_dir, f"{split}.bin"), dense.tobytes())
+        with write_atomically(os.path.join(out_dir, f"{split}.bin")) as f:
+            f.write(dense.tobytes())
         meta[f"{split}_tokens"] = len(dense)
         meta[f"{split}_chars"] = len(splits[split])
     meta["gpt2_ids"] = vocab.gpt2_ids.tolist()
-    write_atomically(meta_path, (json.dumps(meta, indent=2) + "\n").encode())
+    with write_atomically(meta_path, "w") as f:
+        f.write(json.dumps(meta, indent=2) + "\n")
     return meta
 
 
@@ -178,7 +186,8 @@ def find_input(out_dir, input_path):
             f"Put the file at {local_path}, or pass --input PATH, or set {INPUT_VAR}=PATH "
             "(see README.md, 'Offline data')."
         ) from None
-    write_atomically(local_path, body)
+    with write_atomically(local_path) as f:
+        f.write(body)
     return local_path
 
 
@@ -208,14 +217,18 @@ def load_encoder():
         ) from None
 
 
-def write_atomically(path, payload):
-    """Write bytes to path so that a crash at any moment leaves the old file or the new one.
-    The temporary file's name is unique, so no other writer can remove or rename it. (Not
-    tempfile.mkstemp: its files are private to the user, 0600, and so would the data be.)"""
-    tmp_path = f"{path}.{uuid.uuid4().hex}.tmp"
+@contextlib.contextmanager
+def write_atomically(path, mode="wb"):
+    """`with write_atomically(path) as f:` writes f to `path` all at once, or not at all. f is
+    `path`.tmp in the same folder, flushed and fsynced, then renamed over `path`: a rename within
+    one filesystem is atomic, so a process killed at any moment (SIGKILL included) leaves either
+    the previous complete file or the new one, and at worst a stale `path`.tmp, which the next
+    write replaces. A write that fails (a full disk) removes `path`.tmp and re-raises. One writer
+    per folder at a time: callers hold the folder's lock (folder_lock)."""
+    tmp_path = path + ".tmp"
     try:
-        with open(tmp_path, "xb") as f:
-            f.write(payload)
+        with open(tmp_path, mode) as f:
+            yield f
             f.flush()
             os.fsync(f.fileno())
         os.replace(tmp_path, path)
@@ -223,6 +236,11 @@ def write_atomically(path, payload):
         with contextlib.suppress(FileNotFoundError):
             os.remove(tmp_path)
         raise
+    dir_fd = os.open(os.path.dirname(path) or ".", os.O_RDONLY)  # the rename is durable once its folder is
+    try:
+        os.fsync(dir_fd)
+    finally:
+        os.close(dir_fd)
 
 
 def main():

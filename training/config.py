@@ -1,0 +1,464 @@
+"""The scripts' settings: a typed dataclass of defaults, then config files, then --key=value.
+
+    @dataclass
+    class TrainConfig:
+        max_iters: int = 2000  # optimizer steps to train for
+        attn: str = choice("eager", BACKENDS)  # the attention backend
+
+    config = parse_config(TrainConfig, check=check_config, usage=__doc__)   # reads sys.argv[1:]
+
+    python train.py configs/tiny.py --max_iters=50 --attn=sdpa
+
+Positional arguments are config files: Python files whose top-level assignments set keys,
+applied in order. `--key=value` (or `--key value`) overrides come after all files, whatever
+their position. Every value is checked against its field's type and, for `choice` fields,
+its allowed values, so a typo stops the script at once instead of training with a default:
+one line naming the key, exit status 2. `--help` lists every key with its default and its
+meaning, which is the comment ending the key's line in the dataclass (read from the source,
+so it is written once).
+
+This module imports neither torch nor anything that does (attention, model): a script
+parses and checks its settings before torch loads (1.5 s or more), so --help and a bad
+setting answer at once. It also holds the exit statuses every script shares and train.py's
+settings (TrainConfig), which compare.py checks before it starts any run.
+"""
+import dataclasses
+import difflib
+import inspect
+import io
+import math
+import os
+import re
+import sys
+import textwrap
+import tokenize
+import types
+import typing
+from dataclasses import dataclass
+
+from data.shakespeare.prepare import DEFAULT_OUT_DIR as DEFAULT_DATA_DIR
+
+EXIT_ERROR = 1  # an error stopped the script: bad data, an unusable checkpoint, a failed write, a NaN loss
+EXIT_BAD_CONFIG = 2  # bad configuration: a setting wrong in itself, or one this machine or data cannot run
+EXIT_OUT_OF_MEMORY = 3  # the device ran out of memory
+
+# What a run keeps in its out_dir (training/run_files.py writes them).
+CHECKPOINT_NAME = "ckpt.pt"  # the best checkpoint (every evaluation's with always_save_checkpoint): what sample.py reads
+RESUME_NAME = "resume.pt"  # where a stopped run continues, when that is not ckpt.pt
+METRICS_NAME = "metrics.jsonl"
+CONFIG_NAME = "config.json"
+# attention.BACKENDS, written out so that this module needs no torch (tests/test_config.py checks they agree).
+BACKENDS = ("eager", "tiled", "triton", "triton_fwd", "sdpa")
+TRITON_BACKENDS = ("triton", "triton_fwd")
+MAX_SEED = 2**32 - 1  # numpy.random.seed takes [0, 2**32 - 1]
+COMPILE_MODES = ("default", "reduce-overhead", "max-autotune", "max-autotune-no-cudagraphs")
+CUDA_GRAPH_COMPILE_MODES = ("reduce-overhead", "max-autotune")  # the modes that capture CUDA graphs themselves
+AUTO = ("auto", True, False)  # a switch: on, off, or decided by the device (resolve_switches)
+
+
+class ConfigError(ValueError):
+    pass
+
+
+def choice(default, choices):
+    """A dataclass field whose value must be one of `choices`."""
+    return dataclasses.field(default=default, metadata={"choices": tuple(choices)})
+
+
+def parse_config(config_class, argv=None, check=None, usage=""):
+    """Build a `config_class` from argv (default sys.argv[1:]); exit 2 on a bad key or value.
+    `check(config)` may raise ConfigError for rules that involve several keys, reported the
+    same way. `usage` (the script's docstring) is printed by --help above the keys."""
+    argv = sys.argv[1:] if argv is None else list(argv)
+    if "-h" in argv or "--help" in argv:
+        print(f"{usage.strip()}\n\n{describe(config_class)}" if usage else describe(config_class))
+        sys.exit(0)
+    try:
+        config = build_config(config_class, argv)
+        if check is not None:
+            check(config)
+    except ConfigError as e:
+        exit_bad_config(e)
+    return config
+
+
+def exit_bad_config(error):
+    print(f"config error: {error}", file=sys.stderr)
+    sys.exit(EXIT_BAD_CONFIG)
+
+
+def join_overrides(argv):
+    """The arguments with each `--key value` pair joined into `--key=value`, as argparse users
+    expect; a `--key` with no value after it is left alone (and rejected by build_config)."""
+    joined = []
+    for arg in argv:
+        previous = joined[-1] if joined else ""
+        if not arg.startswith("--") and previous.startswith("--") and "=" not in previous:
+            joined[-1] = f"{previous}={arg}"
+        else:
+            joined.append(arg)
+    return joined
+
+
+def config_files(argv):
+    """The config files among the arguments: everything that is not a --key=value."""
+    return [arg for arg in join_overrides(argv) if not arg.startswith("--")]
+
+
+def build_config(config_class, argv):
+    fields = {f.name: f for f in dataclasses.fields(config_class)}
+    values = {}
+    for path in config_files(argv):
+        for key, value in read_config_file(path).items():
+            where = f"{key} (set in {path})"
+            values[key] = check_value(lookup_field(fields, key, where), value, where)
+    for arg in join_overrides(argv):
+        if not arg.startswith("--"):
+            continue
+        key, sep, text = arg[2:].partition("=")
+        if not sep:
+            raise ConfigError(f"{arg!r}: overrides are written --key=value (or --key value)")
+        field = lookup_field(fields, key, f"--{key}")
+        values[key] = check_value(field, parse_text(field, text, f"--{key}"), f"--{key}")
+    return config_class(**values)
+
+
+def read_config_file(path):
+    """The top-level names a config file assigns (modules and _private names skipped). A file
+    that cannot run, whatever it raises (sys.exit and KeyboardInterrupt included), is a bad config."""
+    try:
+        with open(path, encoding="utf-8") as f:
+            source = f.read()
+    except (OSError, UnicodeDecodeError) as e:
+        raise ConfigError(f"cannot read config file {path!r}: {getattr(e, 'strerror', None) or e}") from None
+    namespace = {}
+    try:
+        exec(compile(source, path, "exec"), namespace)
+    except BaseException as e:  # sys.exit(0) or Ctrl-C in a config file is a bad config too, not the script's end
+        raise ConfigError(f"config file {path!r} failed to run: {type(e).__name__}: {e}") from None
+    return {key: value for key, value in namespace.items()
+            if not key.startswith("_") and not isinstance(value, types.ModuleType)}
+
+
+def lookup_field(fields, key, where):
+    if key in fields:
+        return fields[key]
+    close = difflib.get_close_matches(key, fields, n=1)
+    hint = f" (did you mean {close[0]!r}?)" if close else ""
+    raise ConfigError(f"unknown key {where}{hint}; valid keys: {', '.join(fields)}")
+
+
+def field_types(field):
+    """(bool, str) for a field annotated `bool | str`, else (its type,)."""
+    return typing.get_args(field.type) or (field.type,)
+
+
+def parse_text(field, text, where):
+    """The value of a command-line string for a field of type bool, int, float, str, or a union
+    of them (tried in order)."""
+    for kind in field_types(field):
+        if kind is bool and text.lower() in ("true", "1", "yes", "false", "0", "no"):
+            return text.lower() in ("true", "1", "yes")
+        if kind in (int, float):
+            try:
+                return kind(text)
+            except ValueError:
+                continue
+        if kind is str:
+            return text
+    raise ConfigError(f"{where}={text!r}: expected {type_name(field)}")
+
+
+def check_value(field, value, where):
+    """Type-check `value` for `field` (an int is accepted for a float) and its choices."""
+    kinds = field_types(field)
+    if float in kinds and type(value) is int:
+        value = float(value)
+    if type(value) not in kinds:
+        raise ConfigError(f"{where}={value!r}: expected {type_name(field)}, got {type(value).__name__}")
+    choices = field.metadata.get("choices")
+    # By type as well as value: 1 == True, but 1 is not the switch's True.
+    if choices is not None and not any(type(value) is type(c) and value == c for c in choices):
+        raise ConfigError(f"{where}={value!r}: valid choices are {', '.join(map(str, choices))}")
+    return value
+
+
+def type_name(field):
+    names = {bool: "a bool", int: "an int", float: "a float", str: "a string"}
+    return " or ".join(names.get(kind, str(kind)) for kind in field_types(field))
+
+
+def field_meanings(config_class):
+    """{key: its one-line meaning}: the comment that ends the key's line in the class source."""
+    source = textwrap.dedent(inspect.getsource(config_class))
+    comments = {token.start[0]: token.string.lstrip("#").strip()
+                for token in tokenize.generate_tokens(io.StringIO(source).readline) if token.type == tokenize.COMMENT}
+    meanings = {}
+    for number, line in enumerate(source.splitlines(), start=1):
+        match = re.match(r"\s+(\w+)\s*:", line)
+        if match and number in comments:
+            meanings[match[1]] = comments[number]
+    return meanings
+
+
+def describe(config_class):
+    """Every key with its default, type or choices, and meaning: what --help prints."""
+    meanings = field_meanings(config_class)
+    lines = [f"{config_class.__name__} keys (set in config files, or as --key=value or --key value):"]
+    for field in dataclasses.fields(config_class):
+        choices = field.metadata.get("choices")
+        kind = f"one of {', '.join(map(str, choices))}" if choices else " or ".join(t.__name__ for t in field_types(field))
+        lines.append(f"  --{field.name}={field.default!r}  ({kind})")
+        if field.name in meanings:
+            lines.append(f"      {meanings[field.name]}")
+    return "\n".join(lines)
+
+
+@dataclass
+class TrainConfig:
+    """The defaults are the default run (configs/shakespeare.py names it; GPTConfig's defaults
+    are its model): an 8-layer GPT on TinyShakespeare's GPT-2 tokens (11,706 of them, renumbered
+    densely by prepare.py), sized to fit a 12 GB card with every attention backend, eager
+    included. The comments above a key say why its default; the comment ending its line is its
+    meaning in --help."""
+    # output, evaluation, checkpoints
+    out_dir: str = "out-shakespeare"  # for ckpt.pt, resume.pt, metrics.jsonl, config.json; relative to the current dir
+    init_from: str = choice("scratch", ("scratch", "resume"))  # resume: continue from out_dir/resume.pt (else ckpt.pt)
+    overwrite: bool = False  # True: a run from scratch may replace the run in out_dir (its checkpoints and metrics)
+    # The whole run is a few hundred steps: evaluate often enough to see where val loss bottoms
+    # out. 50 batches of 4,096 tokens cover the 36k val tokens many times over.
+    eval_interval: int = 100  # evaluate (and checkpoint) every this many iterations
+    eval_iters: int = 50  # batches per split in each evaluation
+    log_interval: int = 10  # print and log a line every this many iterations
+    # 19M parameters on 302k training tokens can overfit: keep the checkpoint with the best val
+    # loss rather than the latest.
+    always_save_checkpoint: bool = False  # True: save ckpt.pt at every evaluation, not only when val loss improves
+    # wandb (off by default; WANDB_MODE=offline writes a run folder for `wandb sync` instead of uploading)
+    wandb_log: bool = False  # log to wandb as well
+    wandb_project: str = "nanoFA2"  # the wandb project
+    wandb_run_name: str = ""  # the wandb run name; "": "<attn>-<config file name>", e.g. triton-shakespeare
+    # data
+    data_dir: str = DEFAULT_DATA_DIR  # token files, prepared here if missing; default in the repo, a given path relative to the current dir
+    # 4 x 512 tokens per micro-batch, two micro-batches: 4,096 tokens per optimizer step. On this
+    # small corpus more, smaller steps generalised better than fewer large ones.
+    batch_size: int = 4  # sequences per micro-batch, per process
+    gradient_accumulation_steps: int = 2  # micro-batches per optimizer step, over all processes
+    # A 512-token context makes attention a large share of the step (its cost grows with the
+    # context, the matmuls' does not), which is what a comparison of attention backends needs,
+    # while eager's per-layer block_size^2 scores still fit a 12 GB card at this batch.
+    block_size: int = 512  # context length in tokens
+    # model
+    # 12 heads of 32 dims rather than 6 of 64: the same parameters and FLOPs, but twice the
+    # block_size^2 score matrices, the work FlashAttention saves, so the backends differ more.
+    # Val loss was the same within the seed's spread.
+    n_layer: int = 8  # transformer blocks
+    n_head: int = 12  # attention heads; n_embd / n_head is the head dim
+    n_embd: int = 384  # model width
+    # One pass over the training data is ~74 steps of 4k tokens, so the run sees each token many
+    # times: heavy dropout and weight decay hold off memorising it.
+    dropout: float = 0.35  # on embeddings, residual branches and the MLP (not inside attention)
+    bias: bool = False  # biases in Linear layers and LayerNorms
+    attn: str = choice("eager", BACKENDS)  # the attention backend (attention.BACKENDS)
+    # optimizer and schedule: linear warmup, then cosine decay to min_lr at lr_decay_iters
+    # The learning rate decays to zero where val loss stops improving, so val loss flattens rather
+    # than climbs at the end and the last checkpoint is near the best: a longer run only memorises.
+    learning_rate: float = 6e-4  # peak learning rate, reached after warmup_iters
+    max_iters: int = 2000  # optimizer steps to train for
+    weight_decay: float = 0.5  # AdamW weight decay, on matrices only
+    beta1: float = 0.9  # AdamW beta1
+    beta2: float = 0.99  # AdamW beta2
+    grad_clip: float = 1.0  # clip the gradient norm to this; 0 turns clipping off
+    warmup_iters: int = 100  # linear warmup steps
+    lr_decay_iters: int = 2000  # the cosine decay reaches min_lr here
+    min_lr: float = 0.0  # the final learning rate
+    # system
+    device: str = choice("auto", ("auto", "cpu", "cuda"))  # auto: cuda if torch sees a GPU, else cpu
+    dtype: str = choice("auto", ("auto", "float32", "bfloat16", "float16"))  # auto: bf16 autocast on GPUs that have it, else fp16; fp32 on the CPU
+    # On a GPU a step of the default model is hundreds of small kernels, each issued from Python:
+    # the host, not the GPU, sets the pace unless the step is compiled and replayed from a graph,
+    # so both are on there, as nanoGPT compiles by default. On the CPU they gain nothing.
+    compile: bool | str = choice("auto", AUTO)  # torch.compile the model; auto: on where CUDA is the device
+    compile_mode: str = choice("default", COMPILE_MODES)  # torch.compile's mode; reduce-overhead, max-autotune: CUDA graphs of their own
+    cuda_graph: bool | str = choice("auto", AUTO)  # replay each step's forward and backward from one CUDA graph; auto: on where CUDA is the device, off with profile, torchrun or a compile_mode that captures graphs itself
+    profile: bool = False  # profile a few steady steps with torch.profiler into out_dir/profile.json (profiling.py)
+    max_memory_gb: float = 0.0  # cap torch's CUDA memory at this many GiB, e.g. 12 to act as a 12 GB card; 0: no cap
+    seed: int = 1337  # seeds the weights, dropout and batches (process rank uses seed + rank)
+
+    def model_config(self, vocab_size):
+        """The GPTConfig of the model these settings train, over vocab_size token ids."""
+        from model import GPTConfig  # here, not at the top: this module loads without torch
+
+        return GPTConfig(block_size=self.block_size, vocab_size=vocab_size, n_layer=self.n_layer, n_head=self.n_head,
+                         n_embd=self.n_embd, dropout=self.dropout, bias=self.bias, attn=self.attn)
+
+
+def parse_train_config(usage):
+    """train.py's settings from its arguments, checked (check_config, check_paths), with the
+    default wandb run name filled in: "<attn>-<config files>", e.g. triton-shakespeare (the
+    defaults are configs/shakespeare.py's). Exits 2 on a bad setting."""
+    world_size = int(os.environ.get("WORLD_SIZE", 1))  # the processes torchrun started
+    config = parse_config(TrainConfig, check=lambda c: (check_config(c, world_size), check_paths(c)), usage=usage)
+    files = "+".join(os.path.splitext(os.path.basename(path))[0] for path in config_files(sys.argv[1:]))
+    return config if config.wandb_run_name else dataclasses.replace(
+        config, wandb_run_name=f"{config.attn}-{files or 'shakespeare'}")
+
+
+def check_config(config, world_size=1):
+    """Raise ConfigError for the first rule `config` breaks; world_size is the number of
+    training processes (torchrun's WORLD_SIZE), which must divide the accumulation steps."""
+    graph_conflicts = cuda_graph_conflicts(config, config.compile is not False, world_size)
+    rules = [
+        ("max_iters", config.max_iters >= 0, "an int >= 0"),
+        ("eval_interval", config.eval_interval >= 1, "an int >= 1"),
+        ("eval_iters", config.eval_iters >= 1, "an int >= 1"),
+        ("log_interval", config.log_interval >= 1, "an int >= 1"),
+        ("wandb_project", config.wandb_project != "", "a non-empty project name"),
+        ("batch_size", config.batch_size >= 1, "an int >= 1"),
+        ("gradient_accumulation_steps", config.gradient_accumulation_steps >= 1, "an int >= 1"),
+        ("gradient_accumulation_steps", config.gradient_accumulation_steps % world_size == 0,
+         f"a multiple of the {world_size} processes torchrun started (each runs "
+         f"gradient_accumulation_steps / {world_size} micro-batches per step)"),
+        ("block_size", config.block_size >= 1, "an int >= 1"),
+        ("n_layer", config.n_layer >= 1, "an int >= 1"),
+        ("n_head", config.n_head >= 1, "an int >= 1"),
+        ("n_embd", config.n_embd >= 1 and config.n_embd % max(config.n_head, 1) == 0,
+         f"a positive multiple of n_head={config.n_head}"),
+        ("dropout", 0.0 <= config.dropout < 1.0, "in [0, 1)"),
+        ("learning_rate", 0.0 < config.learning_rate < math.inf, "a finite float > 0"),
+        ("min_lr", 0.0 <= config.min_lr < math.inf, "a finite float >= 0"),
+        ("warmup_iters", config.warmup_iters >= 0, "an int >= 0"),
+        ("lr_decay_iters", config.lr_decay_iters >= 1, "an int >= 1"),
+        ("weight_decay", 0.0 <= config.weight_decay < math.inf, "a finite float >= 0"),
+        ("beta1", 0.0 <= config.beta1 < 1.0, "in [0, 1)"),
+        ("beta2", 0.0 <= config.beta2 < 1.0, "in [0, 1)"),
+        ("grad_clip", 0.0 <= config.grad_clip < math.inf, "a finite float >= 0 (0: no clipping)"),
+        ("max_memory_gb", 0.0 <= config.max_memory_gb < math.inf, "a finite float >= 0 (0: no cap)"),
+        ("max_memory_gb", not (config.max_memory_gb and config.device == "cpu"), "0 with device='cpu' (it caps CUDA memory)"),
+        ("dtype", not (config.dtype == "float16" and config.device == "cpu"), "float32 or bfloat16 on the CPU"),
+        ("cuda_graph", not (config.cuda_graph is True and config.device == "cpu"), "False or auto with device='cpu'"),
+        ("cuda_graph", not (config.cuda_graph is True and graph_conflicts), f"False or auto {graph_conflicts}"),
+        # Process r seeds numpy with seed + r, so the largest rank must stay in range too.
+        ("seed", 0 <= config.seed <= MAX_SEED - (world_size - 1),
+         f"an int in [0, {MAX_SEED - (world_size - 1)}] (numpy's seed range; process r of {world_size} uses seed + r)"),
+    ]
+    for key, ok, expected in rules:
+        if not ok:
+            raise ConfigError(f"{key}={getattr(config, key)!r}: expected {expected}")
+    check_attn_head_dim(config.attn, config.n_embd, config.n_head)
+
+
+def cuda_graph_conflicts(config, compiled, world_size):
+    """Why the step cannot be one CUDA graph with these settings ("" when it can)."""
+    if compiled and config.compile_mode in CUDA_GRAPH_COMPILE_MODES:
+        return f"with compile_mode={config.compile_mode!r}, which captures CUDA graphs of its own " \
+               "(use compile_mode=default or max-autotune-no-cudagraphs)"
+    if world_size > 1:
+        return f"under torchrun with {world_size} processes (DDP's all-reduce is not captured here)"
+    if config.profile:
+        return ("with profile=True (the profile sorts kernels by the ranges the host marks as it launches them, "
+                "and a graph replay launches them all at once)")
+    return ""
+
+
+def resolve_switches(config, device_type, world_size=1):
+    """config with compile and cuda_graph decided: "auto" is on where the device is CUDA, and
+    the graph quietly yields to what it cannot capture (check_config refuses an explicit True)."""
+    compiled = device_type == "cuda" if config.compile == "auto" else config.compile
+    cuda_graph = config.cuda_graph
+    if cuda_graph == "auto":
+        cuda_graph = device_type == "cuda" and not cuda_graph_conflicts(config, compiled, world_size)
+    if cuda_graph and device_type != "cuda":
+        raise ConfigError(f"cuda_graph=True needs a CUDA device; this run is on {device_type} (use cuda_graph=False)")
+    return dataclasses.replace(config, compile=compiled, cuda_graph=cuda_graph)
+
+
+def check_attn_head_dim(attn, n_embd, n_head):
+    """The Triton kernels take head dims that are multiples of 8 up to 256; the other backends take any."""
+    head_dim = n_embd // n_head
+    if attn in TRITON_BACKENDS and (head_dim % 8 or head_dim > 256):
+        raise ConfigError(f"attn={attn!r} with n_embd={n_embd} and n_head={n_head}: the head dim n_embd / n_head "
+                          f"= {head_dim} must be a multiple of 8, at most 256, for the Triton kernels "
+                          "(eager, tiled and sdpa take any head dim)")
+
+
+def check_paths(config):
+    """Refuse an out_dir or data_dir this run cannot use, before anything is made: a file where
+    a folder should be, a folder that cannot be made or written, a run's file that is not a
+    file, or a run that a run from scratch would replace (train.py checks that again under the
+    out_dir's lock, where no other run can start meanwhile)."""
+    check_folder("out_dir", config.out_dir, writable=True)
+    data_files = [os.path.join(config.data_dir, name) for name in ("meta.json", "train.bin", "val.bin")]
+    check_folder("data_dir", config.data_dir, writable=not all(map(os.path.isfile, data_files)))
+    for name in (CHECKPOINT_NAME, RESUME_NAME, METRICS_NAME, CONFIG_NAME):
+        path = os.path.join(config.out_dir, name)
+        if os.path.lexists(path) and not os.path.isfile(path):
+            raise ConfigError(f"{path} is not a file (a folder?); train.py writes its {name} there: move it away")
+    held = held_run(config.out_dir)
+    if config.init_from == "scratch" and held and not config.overwrite:
+        raise ConfigError(f"out_dir={config.out_dir!r} holds a run ({', '.join(held)}), which a run from scratch "
+                          "would replace. Continue it with --init_from=resume, replace it with --overwrite=True, "
+                          "or pick another out_dir")
+
+
+def check_folder(key, path, writable):
+    """A folder at `path`, or none yet and one that can be made there; writable if asked."""
+    if os.path.exists(path) and not os.path.isdir(path):
+        raise ConfigError(f"{key}={path!r} is a file; expected a folder (made if missing)")
+    existing = os.path.abspath(path)
+    while not os.path.exists(existing):
+        existing = os.path.dirname(existing)
+    if not os.path.isdir(existing):
+        raise ConfigError(f"{key}={path!r}: cannot write there (Not a directory: {existing} is a file); "
+                          "expected a folder this user can write (made if missing)")
+    if writable and not os.access(existing, os.W_OK | os.X_OK):
+        raise ConfigError(f"{key}={path!r}: cannot write there (Permission denied in {existing}); "
+                          "expected a folder this user can write (made if missing)")
+
+
+def held_run(out_dir):
+    """The files of a run in out_dir that a run from scratch would replace: checkpoints and logged metrics."""
+    metrics = os.path.join(out_dir, METRICS_NAME)
+    return ([name for name in (CHECKPOINT_NAME, RESUME_NAME) if os.path.exists(os.path.join(out_dir, name))]
+            + ([METRICS_NAME] if os.path.isfile(metrics) and os.path.getsize(metrics) else []))
+
+
+# Sampling divides the logits by the temperature. Much below this, logits / temperature
+# overflows (float16 logits under autocast pass 65504 once |logit| > 655 here) and the
+# softmax turns NaN; and by then sampling is greedy in effect, which --top_k=1 does exactly.
+MIN_TEMPERATURE = 0.01
+
+
+@dataclass
+class SampleConfig:
+    """sample.py's settings."""
+    out_dir: str = "out-shakespeare"  # the folder holding ckpt.pt
+    init_from: str = choice("checkpoint", ("checkpoint", "random"))  # random: untrained, the default run's shape
+    start: str = "\n"  # the prompt, or FILE:path to read it from a file, e.g. FILE:data/shakespeare/prompt.txt; no <|endoftext|> (see above)
+    num_samples: int = 2  # samples to generate; with --benchmark=True, the batch decoded side by side
+    max_new_tokens: int = 300  # tokens to generate after the prompt
+    temperature: float = 0.8  # < 1 sharpens the distribution, > 1 flattens it; at least MIN_TEMPERATURE
+    top_k: int = 200  # sample from the k likeliest tokens only; 0 for all
+    seed: int = 1337  # seeds the sampling (and a random-init model); 0 to 2**64 - 1, torch's range
+    attn: str = choice("checkpoint", ("checkpoint",) + BACKENDS)  # "checkpoint": the one it trained with
+    kv_cache: bool = True  # keep each layer's keys and values, feed one new token per step
+    compile: bool = False  # compile the one-token decode step (needs kv_cache=True) with Inductor
+    benchmark: bool = False  # print decode tokens/s with and without the KV cache (every backend unless --attn; on the CPU not the Triton ones)
+    device: str = choice("auto", ("auto", "cpu", "cuda"))  # auto: cuda if torch sees a GPU, else cpu
+    dtype: str = choice("auto", ("auto", "float32", "bfloat16", "float16"))  # auto: bf16 or fp16 on a GPU, fp32 on the CPU; bf16 casts the weights, fp16 is autocast
+
+
+def check_sample_config(config):
+    rules = [
+        ("num_samples", config.num_samples >= 1, "an int >= 1"),
+        ("max_new_tokens", config.max_new_tokens >= 1, "an int >= 1"),
+        ("temperature", MIN_TEMPERATURE <= config.temperature < math.inf,
+         f"a finite float >= {MIN_TEMPERATURE} (for greedy decoding use --top_k=1)"),
+        ("top_k", config.top_k >= 0, "an int >= 0 (0: no top-k)"),
+        ("seed", 0 <= config.seed < 2**64, "an int in [0, 2**64 - 1], torch's seed range"),
+        ("start", config.start not in ("", "FILE:"), "a non-empty prompt or FILE:path"),
+        ("compile", config.kv_cache or not config.compile, "False when kv_cache=False (it compiles the cached step)"),
+        ("dtype", not (config.dtype == "float16" and config.device == "cpu"), "float32 or bfloat16 on the CPU"),
+    ]
+    for key, ok, expected in rules:
+        if not ok:
+            raise ConfigError(f"{key}={getattr(config, key)!r}: expected {expected}")

@@ -1,0 +1,404 @@
+"""What a training run keeps in its out_dir (and sends to wandb), checked when read, written
+whole or not at all.
+
+    ckpt.pt        the best checkpoint by val loss (every evaluation's with always_save_checkpoint):
+                   weights, optimizer, random streams; what sample.py reads
+    resume.pt      the same, saved where a signal stopped the run, when ckpt.pt does not hold that
+                   iteration; --init_from=resume continues from it, or from ckpt.pt without one,
+                   so a signal never replaces the best checkpoint
+    config.json    the run's settings and what they resolved to (device, dtype, processes,
+                   parameter count, tokens per iteration), as logged to wandb
+    metrics.jsonl  one JSON object a line. Log records (LOG_KEYS): iter, loss, lr, step_ms,
+                   tokens_per_s, mfu, peak_mem_mb, warmup. Evaluation records (EVAL_KEYS): iter,
+                   train_loss, val_loss (nats per token), val_bpc (val bits per character)
+
+RunLog writes the records, and the log lines on stdout that end with an ETA.
+
+Checkpoints and a reset metrics.jsonl are written atomically (prepare.write_atomically): a
+process killed at any moment leaves the previous complete file or the new one. Rank 0 alone
+writes, holding a lock on out_dir (out_dir_lock) for the whole run, so two runs never share
+one. A write that fails (a full disk) or a file that cannot be used is a RunFileError whose
+message is one line. Checkpoints hold only tensors and plain Python values, so they load with
+torch.load(weights_only=True), which cannot run code hidden in a tampered file; every entry is
+checked before anything trusts it (check_checkpoint).
+"""
+import contextlib
+import dataclasses
+import json
+import math
+import os
+import random
+import shutil
+import sys
+import time
+
+import numpy as np
+import torch
+from tqdm import tqdm
+
+from data.shakespeare.prepare import folder_lock, write_atomically
+from model import GPTConfig
+from training.config import (BACKENDS, CHECKPOINT_NAME, CONFIG_NAME, METRICS_NAME, RESUME_NAME, ConfigError,
+                             held_run)
+from training.profiling import remove_profile
+
+LOG_KEYS = ("iter", "loss", "lr", "step_ms", "tokens_per_s", "mfu", "peak_mem_mb", "warmup")
+EVAL_KEYS = ("iter", "train_loss", "val_loss", "val_bpc")
+# A GradScaler's state: empty when it is off (fp32 and bf16), else these five numbers.
+SCALER_KEYS = {"scale", "growth_factor", "backoff_factor", "growth_interval", "_growth_tracker"}
+PROGRESS_SECONDS = 5  # a step or an evaluation that runs this long past the last line prints its progress
+
+
+class RunFileError(RuntimeError):
+    pass
+
+
+@contextlib.contextmanager
+def out_dir_lock(out_dir):
+    """Make out_dir and hold it for this run: a second run on it is refused (exit 2) rather
+    than interleaving its metrics and checkpoints with this one's. The lock is flock on the
+    folder, which the OS releases however the process ends."""
+    os.makedirs(out_dir, exist_ok=True)
+    with contextlib.ExitStack() as stack:
+        try:
+            stack.enter_context(folder_lock(out_dir, wait=False))
+        except BlockingIOError:
+            raise ConfigError(f"out_dir={out_dir!r} is in use by another train.py run; wait for it to end, "
+                              "or pick another out_dir") from None
+        yield
+
+
+def write_error(path, error):
+    """A RunFileError saying in one line that `path` could not be written, and what is left."""
+    reason = (error.strerror if isinstance(error, OSError) and error.strerror
+              else str(error).strip().splitlines()[0])
+    free_mb = shutil.disk_usage(os.path.dirname(path) or ".").free / 2**20
+    return RunFileError(f"could not write {path} ({reason}; {free_mb:,.0f} MB free on its disk). The partial file was "
+                        "removed and the previous one, if any, is intact; free some space, then continue with "
+                        "--init_from=resume")
+
+
+def save_checkpoint(state, path):
+    try:
+        with write_atomically(path) as f:
+            torch.save(state, f)
+    # torch.save reports a failed write as a RuntimeError ("enforce fail at
+    # inline_container.cc"), flush and fsync as an OSError.
+    except (OSError, RuntimeError) as e:
+        raise write_error(path, e) from None
+
+
+def resume_point(out_dir):
+    """The checkpoint --init_from=resume continues from: resume.pt where a signal left one
+    (it is removed whenever a later ckpt.pt is saved), else ckpt.pt."""
+    path = os.path.join(out_dir, RESUME_NAME)
+    return path if os.path.exists(path) else os.path.join(out_dir, CHECKPOINT_NAME)
+
+
+def load_checkpoint(path, resume=False):
+    """The checkpoint at path, loaded to the CPU (load_state_dict moves tensors to the model's
+    device) and checked entry by entry; resume=True asks for everything training needs too."""
+    if not os.path.exists(path):
+        raise RunFileError(f"no checkpoint at {path}: train one first, or check out_dir")
+    try:
+        state = torch.load(path, map_location="cpu", weights_only=True)
+    except Exception as e:
+        raise RunFileError(f"{path} cannot be read, it is truncated or corrupt ({type(e).__name__}: "
+                           f"{str(e).strip().splitlines()[0]}). Restore it from a copy, or train from scratch") from None
+    check_checkpoint(state, path, resume)
+    return state
+
+
+def check_checkpoint(state, path, resume):
+    """Raise a RunFileError naming the first entry of the checkpoint that is missing or wrong."""
+    if not isinstance(state, dict):
+        raise RunFileError(f"{path} is not a nanoFA2 checkpoint (it holds a {type(state).__name__})")
+    needed = ["model", "model_args", "iter", "best_val_loss"]
+    needed += ["optimizer", "scaler", "rng", "gpt2_ids", "eval_pending"] if resume else []
+    missing = [key for key in needed if key not in state]
+    if missing:
+        raise RunFileError(f"{path} is not a nanoFA2 checkpoint (it lacks {', '.join(missing)})")
+    for key, check in CHECKS.items():
+        problem = check(state[key]) if key in state else None
+        if problem:
+            raise RunFileError(f"{path} is not a nanoFA2 checkpoint: its {key} {problem}")
+    if resume and state["gpt2_ids"] is None:
+        raise RunFileError(f"{path} has no gpt2_ids (a checkpoint over GPT-2's own ids, from before prepare.py "
+                           "renumbered them): it cannot resume on today's data; train from scratch")
+    ids = state.get("gpt2_ids")
+    if ids is not None and len(ids) != state["model_args"].get("vocab_size", GPTConfig.vocab_size):
+        raise RunFileError(f"{path} is not a nanoFA2 checkpoint: its {len(ids)} gpt2_ids do not match its "
+                           f"model's vocab_size={state['model_args'].get('vocab_size')}")
+
+
+def expect(ok, value, expected):
+    """None when ok, else what was wrong: "is <value>, expected <expected>"."""
+    if ok:
+        return None
+    text = repr(value)
+    return f"is {text if len(text) <= 60 else text[:60] + '...'}, expected {expected}"
+
+
+def check_model_args(args):
+    """Every field is GPTConfig's (dataclasses.fields: fields added since are filled in with
+    their defaults), of its type, and attn is a backend."""
+    if not isinstance(args, dict):
+        return expect(False, args, "a dict of GPTConfig fields")
+    fields = {field.name: field for field in dataclasses.fields(GPTConfig)}
+    for key, value in args.items():
+        if key not in fields:
+            return f"has a field {key!r} that GPTConfig lacks (its fields: {', '.join(fields)})"
+        kind = fields[key].type
+        if not (type(value) is kind or kind is float and type(value) is int):
+            return f"has {key}={value!r}, expected {kind.__name__}"
+    if args.get("attn", "eager") not in BACKENDS:
+        return f"has attn={args['attn']!r}, expected one of {', '.join(BACKENDS)}"
+    return None
+
+
+def check_rng(states):
+    """One dict of random states per process that saved it, each of which sets its stream
+    (tried on generators of their own, so nothing of this process's changes)."""
+    if not isinstance(states, list) or not states:
+        return expect(False, states, "a list with one set of random states per process")
+    for rank, state in enumerate(states):
+        try:
+            torch.Generator().set_state(state["torch"])
+            torch.Generator().set_state(state["sampler"])
+            if state["cuda"] is not None and not (isinstance(state["cuda"], torch.Tensor)
+                                                  and state["cuda"].dtype == torch.uint8):
+                raise TypeError("not a byte tensor")
+            np.random.RandomState().set_state(numpy_state(state["numpy"]))
+            random.Random().setstate(state["python"])
+        except Exception as e:
+            return f"entry {rank} is not a set of random states ({type(e).__name__}: {e})"
+    return None
+
+
+def check_scaler(state):
+    ok = isinstance(state, dict) and (not state or set(state) == SCALER_KEYS and all(
+        type(value) in (int, float) and math.isfinite(value) and value >= 0 for value in state.values()))
+    return expect(ok, state, f"a GradScaler's state: empty, or {', '.join(sorted(SCALER_KEYS))} as numbers")
+
+
+CHECKS = {
+    "model": lambda value: expect(isinstance(value, dict) and all(isinstance(t, torch.Tensor) for t in value.values()),
+                                  value, "a state dict of tensors"),
+    "model_args": check_model_args,
+    "iter": lambda value: expect(type(value) is int and value >= 0, value, "an int >= 0"),
+    "best_val_loss": lambda value: expect(type(value) in (int, float) and value == value, value, "a number (not NaN)"),
+    "optimizer": lambda value: expect(isinstance(value, dict) and isinstance(value.get("state"), dict)
+                                      and isinstance(value.get("param_groups"), list), value, "an optimizer state dict"),
+    "scaler": check_scaler,
+    "rng": check_rng,
+    "gpt2_ids": lambda value: expect(value is None or isinstance(value, list) and all(type(i) is int for i in value)
+                                     and all(a < b for a, b in zip(value, value[1:])), value,
+                                     "None or a list of increasing GPT-2 token ids"),
+    "eval_pending": lambda value: expect(type(value) is bool, value, "a bool"),
+    "config": lambda value: expect(isinstance(value, dict), value, "a dict of settings"),
+    "wandb_run_id": lambda value: expect(value is None or isinstance(value, str), value, "None or a string"),
+}
+
+
+def check_fits(ckpt, path, model_args, gpt2_ids, data_dir):
+    """Refuse to resume a checkpoint into a model of another shape (dropout and attn may change
+    between runs), or on data whose token ids mean other GPT-2 tokens: one line naming the values."""
+    shape_keys = ("n_layer", "n_head", "n_kv_head", "n_embd", "block_size", "bias", "vocab_size")
+    saved = dataclasses.asdict(GPTConfig(**ckpt["model_args"]))  # fields it lacks take their defaults
+    differences = [f"{key}={saved[key]!r} there, {getattr(model_args, key)!r} here"
+                   for key in shape_keys if saved[key] != getattr(model_args, key)]
+    if differences:
+        raise RunFileError(f"{path} holds a model of a different shape ({'; '.join(differences)}). "
+                           "Resume with the config it was trained with, or train from scratch in another out_dir")
+    saved_ids = ckpt["gpt2_ids"]
+    if saved_ids != gpt2_ids:
+        first = next(i for i, (a, b) in enumerate(zip(saved_ids, gpt2_ids)) if a != b)  # same size: shapes agree
+        raise RunFileError(f"{path} was trained on another vocabulary than {data_dir} holds: token id {first} is GPT-2 "
+                           f"token {saved_ids[first]} there and {gpt2_ids[first]} here. Resume on the data it trained "
+                           "on, or train from scratch")
+
+
+def restore_checkpoint(ckpt, path, model, optimizer, scaler, sampler, device, world):
+    """Load a checkpoint into the model, optimizer, gradient scaler and this process's random
+    streams (rng holds one entry per process of the run that saved it); rank 0 says so."""
+    saved_rng = ckpt["rng"]
+    try:
+        model.load_state_dict(ckpt["model"])
+        optimizer.load_state_dict(ckpt["optimizer"])
+        scaler.load_state_dict(ckpt["scaler"])
+        if world.rank < len(saved_rng):
+            restore_rng_states(saved_rng[world.rank], sampler, device)
+    except (KeyError, RuntimeError, TypeError, ValueError) as e:
+        raise RunFileError(f"{path} does not fit this model and optimizer: {e}") from None
+    if world.is_main:
+        print(f"resuming from {path} at iter {ckpt['iter']} (best val loss {ckpt['best_val_loss']:.4f})"
+              + (", its evaluation cut short by a signal: evaluating again" if ckpt["eval_pending"] else "")
+              + ("" if len(saved_rng) == world.size else f"; saved by {len(saved_rng)} processes, not {world.size}, "
+                 "so the batches from here on differ from an uninterrupted run's"))
+
+
+def numpy_state(saved):
+    """numpy's get_state() tuple from the checkpoint's form of it (the key as a tensor)."""
+    name, key, pos, has_gauss, gauss = saved
+    return name, key.numpy().astype(np.uint32), pos, has_gauss, gauss
+
+
+def rng_states(sampler, device):
+    """Every random stream a training step reads, so a resumed run draws the same numbers.
+    Plain values and CPU tensors only, so the checkpoint loads with weights_only=True."""
+    name, key, pos, has_gauss, gauss = np.random.get_state()
+    return {
+        "torch": torch.get_rng_state(),  # dropout on the CPU
+        # Dropout on this process's GPU; only its own, as asking for every GPU's state would
+        # start a CUDA context on each of them from every process.
+        "cuda": torch.cuda.get_rng_state(device) if device.type == "cuda" else None,
+        "numpy": (name, torch.from_numpy(key.astype(np.int64)), pos, has_gauss, gauss),
+        "python": random.getstate(),
+        "sampler": sampler.get_state(),  # which training windows come next
+    }
+
+
+def restore_rng_states(states, sampler, device):
+    """Set every stream back to what rng_states saved."""
+    torch.set_rng_state(states["torch"])
+    if states["cuda"] is not None and device.type == "cuda":
+        torch.cuda.set_rng_state(states["cuda"], device)
+    np.random.set_state(numpy_state(states["numpy"]))
+    random.setstate(states["python"])
+    sampler.set_state(states["sampler"])
+
+
+def start_out_dir(out_dir, run_config, resumed_at, eval_pending):
+    """Make out_dir this run's (rank 0, under out_dir_lock). A run from scratch (resumed_at
+    None) finds no run there, or removes it (overwrite=True). A resumed run keeps the metrics up
+    to its checkpoint's iteration, less that iteration's evaluation if it is to run again.
+    config.json describes this run, and any profile.json will be its."""
+    if resumed_at is None:
+        for name in (CHECKPOINT_NAME, RESUME_NAME):
+            with contextlib.suppress(FileNotFoundError):
+                os.remove(os.path.join(out_dir, name))
+    remove_profile(out_dir)
+    reset_metrics(out_dir, lambda record: resumed_at is not None and (
+        record.get("iter", math.inf) < resumed_at
+        or record.get("iter") == resumed_at and not (eval_pending and "val_loss" in record)))
+    write_run_config(out_dir, run_config)
+
+
+def start_wandb(config, run_config, run_id):
+    """A wandb run logging what metrics.jsonl gets, or None when wandb cannot be imported: then
+    a one-line warning, and training goes on with the local metrics. run_id: the wandb run a
+    resumed run continues (its checkpoint keeps the id), or None for a new one. Its folder is
+    out_dir/wandb/; with WANDB_MODE=offline it stays there until `wandb sync` uploads it."""
+    try:
+        import wandb
+    except ImportError:
+        print(f"warning: wandb_log=True but wandb cannot be imported (pip install wandb); "
+              f"logging to {config.out_dir}/metrics.jsonl only", file=sys.stderr)
+        return None
+    try:
+        return wandb.init(project=config.wandb_project, name=config.wandb_run_name, config=run_config,
+                          dir=config.out_dir, id=run_id, resume="allow" if run_id else None)
+    except wandb.errors.UsageError as e:  # no API key (online, and no terminal to ask for one)
+        raise ConfigError(f"wandb_log=True but wandb cannot start a run ({e}). Run `wandb login` once, or set "
+                          "WANDB_MODE=offline to keep the run in out_dir/wandb for a later `wandb sync`") from None
+
+
+class RunLog:
+    """What rank 0 reports: lines on stdout, and records in metrics.jsonl and in wandb (with
+    wandb_log). It keeps the timings behind the ETA that ends the log lines, and the time of
+    the last line: a step or an evaluation that runs PROGRESS_SECONDS past it prints how far it
+    has got, so that a slow run (the default one on a CPU: about a minute a step) never sits
+    silent."""
+
+    def __init__(self, config, micro_steps):
+        self.config, self.micro_steps = config, micro_steps
+        self.wandb_run = None
+        self.step_s = self.eval_s = self.batch_s = None  # measured as they run
+        self.last_line = time.perf_counter()
+
+    def line(self, text):
+        print(text)
+        self.last_line = time.perf_counter()
+
+    def record(self, record):
+        append_metrics(self.config.out_dir, record)
+        if self.wandb_run is not None:
+            self.wandb_run.log({key: value for key, value in record.items() if key != "iter"}, step=record["iter"])
+
+    def due(self):
+        return time.perf_counter() - self.last_line > PROGRESS_SECONDS
+
+    def eta(self, it, eval_pending, eval_left=None):
+        """The time left after iteration it at the pace so far, h:mm:ss: the steps to go, the
+        evaluations due at the last one's length, and eval_left seconds of the one running.
+        Before a step or an evaluation is timed, an evaluation batch stands in (a micro-batch's
+        forward and backward cost about three forwards)."""
+        config = self.config
+        step_s = self.step_s or 3 * self.micro_steps * self.batch_s
+        eval_s = self.eval_s or 2 * config.eval_iters * (self.batch_s or step_s / (3 * self.micro_steps))
+        evaluations = config.max_iters // config.eval_interval + (config.max_iters % config.eval_interval > 0)
+        evaluations = evaluations - it // config.eval_interval if it < config.max_iters else 0  # after iteration it
+        evaluations += eval_pending if eval_left is None else 0  # iteration it's, not started yet
+        return tqdm.format_interval((eval_left or 0) + (config.max_iters - it) * step_s + evaluations * eval_s)
+
+
+def write_run_config(out_dir, run_config):
+    path = os.path.join(out_dir, CONFIG_NAME)
+    try:
+        with open(path, "w") as f:
+            json.dump(run_config, f, indent=2)
+            f.write("\n")
+    except OSError as e:
+        raise write_error(path, e) from None
+
+
+def read_run_config(out_dir):
+    with open(os.path.join(out_dir, CONFIG_NAME), encoding="utf-8") as f:
+        return json.load(f)
+
+
+def read_metrics(out_dir):
+    """The records of out_dir/metrics.jsonl in order, skipping a line cut short by a kill; a
+    RunFileError for a file that is not one train.py wrote (not UTF-8 text, unreadable)."""
+    path = os.path.join(out_dir, METRICS_NAME)
+    try:
+        with open(path, encoding="utf-8") as f:
+            lines = f.readlines()
+    except (OSError, UnicodeDecodeError) as e:
+        raise RunFileError(f"{path} cannot be read as train.py's metrics ({type(e).__name__}: {e})") from None
+    records = []
+    for line in lines:
+        with contextlib.suppress(ValueError):
+            records.append(json.loads(line))
+    return [record for record in records if isinstance(record, dict)]
+
+
+def reset_metrics(out_dir, keep):
+    """Start out_dir/metrics.jsonl afresh with the records keep(record) is true of (none for a
+    run from scratch; for a resumed run those up to its checkpoint: the stopped run may have
+    logged past it, or been killed mid-line), so that the file reads as one run."""
+    path = os.path.join(out_dir, METRICS_NAME)
+    kept = [record for record in read_metrics(out_dir) if keep(record)] if os.path.exists(path) else []
+    try:
+        with write_atomically(path, "w") as f:
+            f.writelines(json.dumps(record) + "\n" for record in kept)
+    except OSError as e:
+        raise write_error(path, e) from None
+
+
+def append_metrics(out_dir, record):
+    path = os.path.join(out_dir, METRICS_NAME)
+    try:
+        with open(path, "a") as f:
+            f.write(json.dumps(record) + "\n")
+    except OSError as e:
+        raise write_error(path, e) from None
+
+
+def check_no_run(config):
+    """Under the lock: a run from scratch must still find no run to replace (check_paths said
+    so before, but another run may have written one since)."""
+    held = held_run(config.out_dir)
+    if config.init_from == "scratch" and held and not config.overwrite:
+        raise ConfigError(f"out_dir={config.out_dir!r} holds a run ({', '.join(held)}) that another train.py run "
+                          "wrote meanwhile; pick another out_dir")
