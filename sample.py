@@ -141,7 +141,7 @@ def load_model_args():
     trained with (prepare.py), or None for GPT-2's own ids (a random-init model)."""
     if config.init_from == "random":
         torch.manual_seed(config.seed)
-        model_args = GPTConfig()  # the default run's model
+        model_args = GPTConfig(n_kv_head=config.n_kv_head, window=config.window)  # the default run's model
         return model_args, GPT(model_args).state_dict(), "a random-init model", None
     ckpt = load_checkpoint(f"{config.out_dir}/ckpt.pt")
     vocab = DenseVocab(ckpt["gpt2_ids"]) if ckpt.get("gpt2_ids") is not None else None

@@ -253,7 +253,9 @@ class TrainConfig:
     # Val loss was the same within the seed's spread.
     n_layer: int = 8  # transformer blocks
     n_head: int = 12  # attention heads; n_embd / n_head is the head dim
+    n_kv_head: int = 0  # key/value heads, a divisor of n_head (grouped-query attention); 0: n_head
     n_embd: int = 384  # model width
+    window: int = -1  # a sliding window: each query sees itself and this many keys before it; -1: every key before it
     # One pass over the training data is ~74 steps of 4k tokens, so the run sees each token many
     # times: heavy dropout and weight decay hold off memorising it.
     dropout: float = 0.35  # on embeddings, residual branches and the MLP (not inside attention)
@@ -289,7 +291,8 @@ class TrainConfig:
         from model import GPTConfig  # here, not at the top: this module loads without torch
 
         return GPTConfig(block_size=self.block_size, vocab_size=vocab_size, n_layer=self.n_layer, n_head=self.n_head,
-                         n_embd=self.n_embd, dropout=self.dropout, bias=self.bias, attn=self.attn)
+                         n_kv_head=self.n_kv_head, n_embd=self.n_embd, window=self.window, dropout=self.dropout,
+                         bias=self.bias, attn=self.attn)
 
 
 def parse_train_config(usage):
@@ -323,6 +326,9 @@ def check_config(config, world_size=1):
         ("n_head", config.n_head >= 1, "an int >= 1"),
         ("n_embd", config.n_embd >= 1 and config.n_embd % max(config.n_head, 1) == 0,
          f"a positive multiple of n_head={config.n_head}"),
+        ("n_kv_head", config.n_kv_head == 0 or (config.n_kv_head >= 1 and config.n_head % config.n_kv_head == 0),
+         f"0 (as many as n_head) or a divisor of n_head={config.n_head}"),
+        ("window", config.window >= -1, "-1 (every key before the query) or an int >= 0"),
         ("dropout", 0.0 <= config.dropout < 1.0, "in [0, 1)"),
         ("learning_rate", 0.0 < config.learning_rate < math.inf, "a finite float > 0"),
         ("min_lr", 0.0 <= config.min_lr < math.inf, "a finite float >= 0"),
@@ -433,6 +439,8 @@ class SampleConfig:
     """sample.py's settings."""
     out_dir: str = "out-shakespeare"  # the folder holding ckpt.pt
     init_from: str = choice("checkpoint", ("checkpoint", "random"))  # random: untrained, the default run's shape
+    n_kv_head: int = 0  # init_from=random: key/value heads, a divisor of 12 (grouped-query attention); 0: 12
+    window: int = -1  # init_from=random: each query sees itself and this many keys before it; -1: every key before it
     start: str = "\n"  # the prompt, or FILE:path to read it from a file, e.g. FILE:data/shakespeare/prompt.txt; no <|endoftext|> (see above)
     num_samples: int = 2  # samples to generate; with --benchmark=True, the batch decoded side by side
     max_new_tokens: int = 300  # tokens to generate after the prompt
@@ -458,6 +466,13 @@ def check_sample_config(config):
         ("start", config.start not in ("", "FILE:"), "a non-empty prompt or FILE:path"),
         ("compile", config.kv_cache or not config.compile, "False when kv_cache=False (it compiles the cached step)"),
         ("dtype", not (config.dtype == "float16" and config.device == "cpu"), "float32 or bfloat16 on the CPU"),
+        ("n_kv_head", config.n_kv_head == 0 or (config.n_kv_head >= 1 and TrainConfig.n_head % config.n_kv_head == 0),
+         f"0 or a divisor of the default run's {TrainConfig.n_head} heads"),
+        ("window", config.window >= -1, "-1 (every key before the query) or an int >= 0"),
+        ("n_kv_head", config.init_from == "random" or config.n_kv_head == 0,
+         "0 with a checkpoint, whose model has its own (it shapes a random-init model)"),
+        ("window", config.init_from == "random" or config.window == -1,
+         "-1 with a checkpoint, whose model has its own (it shapes a random-init model)"),
     ]
     for key, ok, expected in rules:
         if not ok:
