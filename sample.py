@@ -107,14 +107,16 @@ def can_run(attn, model_args):
 
 
 def benchmark(model_args, state, prompt_ids, device, dtype):
-    """Decode tokens/s of each backend with and without the KV cache. Each timed run follows
-    an untimed one of the same length, in which Triton compiles and autotunes its kernels.
+    """Decode tokens/s of each backend with and without the KV cache. On a GPU each timed run
+    follows an untimed one of the same length, in which Triton compiles and autotunes its
+    kernels for every context length; on the CPU nothing compiles, and a few tokens warm up.
     Without --attn, the backends that cannot take the model's head dim are left out, and on
     the CPU the Triton ones."""
     backends = [b for b in BACKENDS if can_run(b, model_args) and (device.type == "cuda" or b not in TRITON_BACKENDS)]
     backends = backends if config.attn == "checkpoint" else [config.attn]
     batch, prompt_len = config.num_samples, prompt_ids.size(1)
     prompt_ids = prompt_ids.expand(batch, -1)
+    warmup_tokens = config.max_new_tokens if device.type == "cuda" else min(8, config.max_new_tokens)
     print(f"decode: batch {batch}, {prompt_len}-token prompt, {config.max_new_tokens} new tokens, "
           f"block_size {model_args.block_size}, {device}, {dtype}" + (", compiled decode step" if config.compile else ""))
     print(f"{'attn':<12}{'no cache tok/s':>16}{'kv cache tok/s':>16}{'speedup':>9}")
@@ -122,13 +124,12 @@ def benchmark(model_args, state, prompt_ids, device, dtype):
         model, precision = build_model(model_args, state, attn, device, dtype, config.compile)
         tokens_per_s = []
         for kv_cache in (False, True):
-            for _ in range(2):  # the first run warms up, the second is timed
+            for new_tokens in (warmup_tokens, config.max_new_tokens):  # the first run warms up, the second is timed
                 torch.manual_seed(config.seed)
                 synchronize(device)
                 t0 = time.perf_counter()
                 with precision:
-                    model.generate(prompt_ids, config.max_new_tokens, config.temperature, config.top_k or None,
-                                   kv_cache=kv_cache)
+                    model.generate(prompt_ids, new_tokens, config.temperature, config.top_k or None, kv_cache=kv_cache)
                 synchronize(device)
                 seconds = time.perf_counter() - t0
             tokens_per_s.append(batch * config.max_new_tokens / seconds)

@@ -1,6 +1,8 @@
 """train.py and sample.py end to end on the CPU, with configs/tiny.py on the real data."""
 import json
 import math
+import os
+import re
 
 import pytest
 import torch
@@ -21,7 +23,9 @@ def step_losses(records):
 
 
 def test_tiny_config_loss_falls_and_metrics_have_the_documented_keys(tiny_args, tmp_path):
-    result = run_script("train.py", *tiny_args, "--max_iters=40", "--eval_interval=40")
+    # OMP_NUM_THREADS unset (the test workers set it), as a user runs it, so train.py picks the threads.
+    env = {key: value for key, value in os.environ.items() if key != "OMP_NUM_THREADS"}
+    result = run_script("train.py", *tiny_args, "--max_iters=40", "--eval_interval=40", env=env)
     assert result.returncode == 0, result.stderr
     records = read_metrics(tmp_path / "out")
     evals = [r for r in records if "val_loss" in r]
@@ -36,6 +40,9 @@ def test_tiny_config_loss_falls_and_metrics_have_the_documented_keys(tiny_args, 
     assert logs[-1]["step_ms"] > 0 and logs[-1]["tokens_per_s"] > 0
     assert logs[-1]["mfu"] is None and logs[-1]["peak_mem_mb"] is None  # no GPU peak to compare with
     assert "iter 40: loss" in result.stdout and "tok/s" in result.stdout
+    assert re.search(r"^iter 10: loss .*, ETA \d\d:\d\d$", result.stdout, re.MULTILINE)  # time left, as tqdm says it
+    # A tiny model's step is too small to share among cores: one thread, and a line that says so.
+    assert re.search(r"^CPU threads: 1 of \d+ cores: a call of 2.7 GFLOP is too small to share", result.stdout, re.MULTILINE)
     ckpt = torch.load(tmp_path / "out" / "ckpt.pt", weights_only=True)
     assert ckpt["iter"] == 40 and ckpt["config"]["attn"] == "eager"
     assert len(ckpt["gpt2_ids"]) == ckpt["model_args"]["vocab_size"] == 11_706  # sample.py decodes with it
@@ -99,6 +106,7 @@ def test_sample_prints_text_from_the_checkpoint(trained_out_dir, tmp_path):
     result = run_script("sample.py", f"--out_dir={trained_out_dir}", "--start=ROMEO:", "--num_samples=2",
                         "--max_new_tokens=20", "--device=cpu")
     assert result.returncode == 0, result.stderr
+    assert re.findall(r"sample (\d)/2: 20 tokens in [\d.]+ s \([\d,]+ tok/s\)", result.stderr) == ["1", "2"]
     samples = result.stdout.split("---------------\n")
     assert len(samples) == 3 and samples[-1] == ""  # two samples, each closed by a separator
     assert all(s.startswith("ROMEO:") and len(s) > len("ROMEO:\n") for s in samples[:2])
@@ -147,3 +155,11 @@ def test_compiled_training_with_cuda_graph_mode_and_accumulation_on_the_cpu(tiny
     assert losses[1].keys() == {1, 2}
     for it in (1, 2):
         assert losses[1][it] == pytest.approx(losses[0][it], rel=1e-4)
+
+
+def test_the_decode_benchmark_on_the_cpu_leaves_out_the_interpreted_triton_backends():
+    result = run_script("sample.py", "--benchmark=True", "--init_from=random", "--max_new_tokens=2", "--num_samples=1",
+                        "--device=cpu")
+    assert result.returncode == 0, result.stderr
+    rows = [line.split()[0] for line in result.stdout.splitlines()[2:]]
+    assert rows == ["eager", "tiled", "sdpa"]
