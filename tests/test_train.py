@@ -141,6 +141,16 @@ def test_trains_on_the_gpu_with_mixed_precision(tiny_args, tmp_path):
     assert "dtype=bfloat16" in result.stdout or "dtype=float16" in result.stdout
 
 
+@pytest.mark.gpu
+def test_the_default_gpu_run_compiles_and_replays_a_cuda_graph_with_the_warm_up_apart(tiny_args, tmp_path):
+    result = run_script("train.py", *tiny_args, "--device=cuda", "--max_iters=6", "--eval_interval=6",
+                        "--log_interval=1", "--attn=sdpa", timeout=900)
+    assert result.returncode == 0, result.stderr
+    run_config = json.loads((tmp_path / "out" / "config.json").read_text())
+    assert run_config["compile"] is True and run_config["cuda_graph"] is True
+    assert [r["warmup"] for r in read_metrics(tmp_path / "out") if "loss" in r] == [True] * 3 + [False] * 3
+
+
 def test_compiled_training_with_cuda_graph_mode_and_accumulation_on_the_cpu(tiny_args, tmp_path):
     """compile_mode=reduce-overhead with gradient accumulation and evaluation: on the CPU there
     are no CUDA graphs, and the run still trains, with the losses of the uncompiled run (the

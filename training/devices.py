@@ -30,9 +30,9 @@ PEAK_BF16_FLOPS = (
     ("h200", 989e12),
 )
 # Below this many FLOP a call (a micro-batch's forward and backward, a decoded token) is too
-# small to share among cores: on 2 cores configs/tiny.py's step (2.7 GFLOP) is 1.6x faster on a
-# quiet machine with 2 threads, but 4-10x slower with 2 threads than with 1 while another
-# process keeps one core busy, as torch's threads spin waiting for each other.
+# small to share among cores: on 2 cores configs/tiny.py's step (2.7 GFLOP) took about 55 ms with
+# 2 threads and 65-95 ms with 1 on a quiet machine, but 350-1,400 ms with 2 threads while another
+# process kept a core busy (torch's threads spin waiting for each other), and 55-95 ms with 1.
 ONE_THREAD_FLOP = 1e10
 
 
