@@ -93,8 +93,10 @@ def test_default_data_dir_is_in_the_repo_wherever_train_runs_from():
     assert TrainConfig().data_dir == str(REPO / "data" / "shakespeare")
 
 
-def test_readme_prompt_files_exist():
-    prompt_files = re.findall(r"--start=FILE:(\S+)", (REPO / "README.md").read_text())
+def test_the_prompt_files_the_docs_name_exist():
+    texts = [(REPO / "sample.py").read_text(), (REPO / "README.md").read_text(),
+             *(path.read_text() for path in (REPO / "docs").glob("*.md"))]
+    prompt_files = [path for text in texts for path in re.findall(r"--start=FILE:([\w./-]+\.\w+)", text)]
     assert prompt_files and all((REPO / path).is_file() for path in prompt_files)
 
 
