@@ -37,7 +37,7 @@ import time
 from dataclasses import asdict
 
 from training.config import (CHECKPOINT_NAME, EXIT_BAD_CONFIG, EXIT_ERROR, EXIT_OUT_OF_MEMORY, RESUME_NAME, ConfigError,
-                             parse_train_config, resolve_switches)
+                             check_no_run, parse_train_config, resolve_switches)
 
 # The settings are read and checked before torch is imported (1.5 s or more), so that --help and
 # a bad setting answer at once.
@@ -55,9 +55,8 @@ from training.devices import (StepGraph, StopSignals, World, autocast, cap_memor
                               out_of_memory_message, peak_flops, peak_memory_mb, pick_device, pick_dtype, synchronize,
                               warn_if_sized_for_a_gpu)
 from training.profiling import OPTIMIZER_RANGE, step_profiler, stop_profiler
-from training.run_files import (RunFileError, RunLog, check_fits, check_no_run, load_checkpoint,
-                                out_dir_lock, restore_checkpoint, resume_point, rng_states, save_checkpoint,
-                                start_out_dir, start_wandb)
+from training.run_files import (RunFileError, RunLog, check_fits, load_checkpoint, out_dir_lock, restore_checkpoint,
+                                resume_point, rng_states, save_checkpoint, start_out_dir, start_wandb)
 
 # The first steps of every process pay for torch.compile, Triton's autotuning and the CUDA
 # allocator filling its caches: they are logged apart (warmup: true).

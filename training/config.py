@@ -390,8 +390,7 @@ def check_attn_head_dim(attn, n_embd, n_head):
 def check_paths(config):
     """Refuse an out_dir or data_dir this run cannot use, before anything is made: a file where
     a folder should be, a folder that cannot be made or written, a run's file that is not a
-    file, or a run that a run from scratch would replace (train.py checks that again under the
-    out_dir's lock, where no other run can start meanwhile)."""
+    file, or a run that a run from scratch would replace (check_no_run)."""
     check_folder("out_dir", config.out_dir, writable=True)
     data_files = [os.path.join(config.data_dir, name) for name in ("meta.json", "train.bin", "val.bin")]
     check_folder("data_dir", config.data_dir, writable=not all(map(os.path.isfile, data_files)))
@@ -399,11 +398,7 @@ def check_paths(config):
         path = os.path.join(config.out_dir, name)
         if os.path.lexists(path) and not os.path.isfile(path):
             raise ConfigError(f"{path} is not a file (a folder?); train.py writes its {name} there: move it away")
-    held = held_run(config.out_dir)
-    if config.init_from == "scratch" and held and not config.overwrite:
-        raise ConfigError(f"out_dir={config.out_dir!r} holds a run ({', '.join(held)}), which a run from scratch "
-                          "would replace. Continue it with --init_from=resume, replace it with --overwrite=True, "
-                          "or pick another out_dir")
+    check_no_run(config)
 
 
 def check_folder(key, path, writable):
@@ -421,11 +416,17 @@ def check_folder(key, path, writable):
                           "expected a folder this user can write (made if missing)")
 
 
-def held_run(out_dir):
-    """The files of a run in out_dir that a run from scratch would replace: checkpoints and logged metrics."""
-    metrics = os.path.join(out_dir, METRICS_NAME)
-    return ([name for name in (CHECKPOINT_NAME, RESUME_NAME) if os.path.exists(os.path.join(out_dir, name))]
+def check_no_run(config):
+    """A run from scratch replaces no run in out_dir (checkpoints, logged metrics) unless
+    overwrite=True. Checked with the settings, and again by train.py under out_dir's lock,
+    where no other run can write one meanwhile."""
+    metrics = os.path.join(config.out_dir, METRICS_NAME)
+    held = ([name for name in (CHECKPOINT_NAME, RESUME_NAME) if os.path.exists(os.path.join(config.out_dir, name))]
             + ([METRICS_NAME] if os.path.isfile(metrics) and os.path.getsize(metrics) else []))
+    if config.init_from == "scratch" and held and not config.overwrite:
+        raise ConfigError(f"out_dir={config.out_dir!r} holds a run ({', '.join(held)}), which a run from scratch "
+                          "would replace. Continue it with --init_from=resume, replace it with --overwrite=True, "
+                          "or pick another out_dir")
 
 
 # Sampling divides the logits by the temperature. Much below this, logits / temperature

@@ -38,8 +38,7 @@ from tqdm import tqdm
 
 from data.shakespeare.prepare import folder_lock, write_atomically
 from model import GPTConfig
-from training.config import (BACKENDS, CHECKPOINT_NAME, CONFIG_NAME, METRICS_NAME, RESUME_NAME, ConfigError,
-                             held_run)
+from training.config import BACKENDS, CHECKPOINT_NAME, CONFIG_NAME, METRICS_NAME, RESUME_NAME, ConfigError
 from training.profiling import remove_profile
 
 LOG_KEYS = ("iter", "loss", "lr", "step_ms", "tokens_per_s", "mfu", "peak_mem_mb", "warmup")
@@ -393,12 +392,3 @@ def append_metrics(out_dir, record):
             f.write(json.dumps(record) + "\n")
     except OSError as e:
         raise write_error(path, e) from None
-
-
-def check_no_run(config):
-    """Under the lock: a run from scratch must still find no run to replace (check_paths said
-    so before, but another run may have written one since)."""
-    held = held_run(config.out_dir)
-    if config.init_from == "scratch" and held and not config.overwrite:
-        raise ConfigError(f"out_dir={config.out_dir!r} holds a run ({', '.join(held)}) that another train.py run "
-                          "wrote meanwhile; pick another out_dir")
