@@ -297,7 +297,7 @@ def test_a_full_disk_during_a_checkpoint_is_one_line_and_leaves_no_partial_file(
     assert len(message) == 1 and "Traceback" not in result.stderr
     assert message[0].startswith(f"error: could not write {tmp_path / 'out' / 'ckpt.pt'} ([enforce fail at "
                                  "inline_container.cc:672] . PytorchStreamWriter failed writing file data/0")
-    assert "The partial file was removed" in message[0]
+    assert "the partial file was removed and the previous checkpoint, if any, is intact" in message[0]
     assert not (tmp_path / "out" / "ckpt.pt.tmp").exists() and not (tmp_path / "out" / "ckpt.pt").exists()
 
 

@@ -67,14 +67,12 @@ def out_dir_lock(out_dir):
         yield
 
 
-def write_error(path, error):
-    """A RunFileError saying in one line that `path` could not be written, and what is left."""
+def write_error(path, error, left="free some space and run again"):
+    """A RunFileError saying in one line that `path` could not be written, and what to do."""
     reason = (error.strerror if isinstance(error, OSError) and error.strerror
               else str(error).strip().splitlines()[0])
     free_mb = shutil.disk_usage(os.path.dirname(path) or ".").free / 2**20
-    return RunFileError(f"could not write {path} ({reason}; {free_mb:,.0f} MB free on its disk). The partial file was "
-                        "removed and the previous one, if any, is intact; free some space, then continue with "
-                        "--init_from=resume")
+    return RunFileError(f"could not write {path} ({reason}; {free_mb:,.0f} MB free on its disk); {left}")
 
 
 def save_checkpoint(state, path):
@@ -84,7 +82,8 @@ def save_checkpoint(state, path):
     # torch.save reports a failed write as a RuntimeError ("enforce fail at
     # inline_container.cc"), flush and fsync as an OSError.
     except (OSError, RuntimeError) as e:
-        raise write_error(path, e) from None
+        raise write_error(path, e, "the partial file was removed and the previous checkpoint, if any, is intact; "
+                                   "free some space, then continue with --init_from=resume") from None
 
 
 def resume_point(out_dir):
