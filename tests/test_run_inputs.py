@@ -75,6 +75,8 @@ BAD_CHECKPOINTS = [
      "its model_args has a field 'n_expert' that GPTConfig lacks (its fields: block_size, vocab_size"),
     ("unknown attn", lambda state: state["model_args"].update(attn="flash"),
      "its model_args has attn='flash', expected one of eager, tiled, triton, triton_fwd, sdpa"),
+    ("n_kv_head", lambda state: state["model_args"].update(n_kv_head=3),
+     "its model_args has n_kv_head=3, which no GPT of its other fields can have"),
     ("empty rng", lambda state: state.update(rng=[]),
      "its rng is [], expected a list with one set of random states per process"),
     ("numpy rng", corrupt_numpy_state, "its rng entry 0 is not a set of random states (IndexError: "),

@@ -139,7 +139,7 @@ def expect(ok, value, expected):
 
 def check_model_args(args):
     """Every field is GPTConfig's (dataclasses.fields: fields added since are filled in with
-    their defaults), of its type, and attn is a backend."""
+    their defaults), of its type, with a value a model can be built with, and attn is a backend."""
     if not isinstance(args, dict):
         return expect(False, args, "a dict of GPTConfig fields")
     fields = {field.name: field for field in dataclasses.fields(GPTConfig)}
@@ -151,7 +151,13 @@ def check_model_args(args):
             return f"has {key}={value!r}, expected {kind.__name__}"
     if args.get("attn", "eager") not in BACKENDS:
         return f"has attn={args['attn']!r}, expected one of {', '.join(BACKENDS)}"
-    return None
+    c = GPTConfig(**args)
+    broken = [key for key, ok in [
+        ("block_size", c.block_size >= 1), ("vocab_size", c.vocab_size >= 1), ("n_layer", c.n_layer >= 1),
+        ("n_head", c.n_head >= 1 and c.n_embd % c.n_head == 0),
+        ("n_kv_head", c.n_kv_head >= 1 and c.n_head % c.n_kv_head == 0),
+        ("window", c.window >= -1), ("dropout", 0 <= c.dropout < 1)] if not ok]
+    return f"has {broken[0]}={args.get(broken[0])!r}, which no GPT of its other fields can have" if broken else None
 
 
 def check_rng(states):
