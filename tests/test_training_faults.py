@@ -470,3 +470,16 @@ def test_data_too_small_is_warned_about_and_a_single_token_refused(text, status,
     if status == 0:
         warning = next(line for line in result.stderr.splitlines() if message in line)
         assert re.search(r"holds only [\d,]+ train and [\d,]+ val tokens over a vocabulary of [\d,]+ ", warning)
+
+
+def test_a_resumed_run_whose_steps_are_slow_says_how_far_it_has_got(tiny_args, tmp_path):
+    """The default model on a CPU takes about a minute a step: a resumed run must not sit silent
+    until its first log line. A step that ends more than 5 s after the last line prints one."""
+    first = run_script("train.py", *tiny_args, "--max_iters=2", "--eval_interval=2")
+    assert first.returncode == 0, first.stderr
+    resumed = run_script("train.py", *tiny_args, "--init_from=resume", "--max_iters=4", "--eval_interval=100",
+                         env=shim_env("slow_step", SLOW_STEP_SECONDS="6"))
+    assert resumed.returncode == 0, resumed.stderr
+    lines = resumed.stdout.splitlines()
+    assert lines[0].startswith(f"resuming from {tmp_path / 'out' / 'ckpt.pt'} at iter 2")
+    assert re.fullmatch(r"iter 3/4: loss \d+\.\d{4}, \d+\.\d s/iter, ETA \d\d:\d\d", lines[3]), lines
