@@ -1,24 +1,16 @@
 """A GPT-2 style language model whose attention runs on a chosen backend.
 
-Pre-LayerNorm transformer blocks, a GELU MLP, learned position embeddings and an output
-layer tied to the token embedding, initialised as GPT-2 was. CausalSelfAttention hands the q,
-k, v views of its fused projection to `attention.attention` (to `attention.decode_attention` for
-a decoding step), so the same model trains and generates with the eager reference, PyTorch's
-sdpa, or this repo's own kernels. Two keys go beyond GPT-2, both off by default: n_kv_head, for
-grouped-query attention (fewer key/value heads than query heads, as Llama and Mistral have), and
-window, a sliding window over the keys (as Mistral and the speedrun GPTs use).
+Pre-LayerNorm blocks, a GELU MLP, learned positions and an output layer tied to the token
+embedding, initialised as GPT-2 was. CausalSelfAttention hands the q, k, v views of its fused
+projection to `attention.attention` (to `attention.decode_attention` for a decoding step), so
+the same model trains and generates on every backend. Two keys go beyond GPT-2, both off by
+default: n_kv_head (grouped-query attention, as Llama and Mistral have) and window (a sliding
+window over the keys, as Mistral and the speedrun GPTs use).
 
-Generation can keep a KVCache: every layer's keys and values of the tokens fed so far, so
-each step feeds only the newest token. The prompt goes in first as a normal call (a prefill:
-queries and keys are the same tokens, top-left causal, is_causal=True). After it, each step is
-GPT.decode_step: attention.decode_attention writes the new token's key and value into the
-static cache at its position, a device tensor, and its query sees cached keys [0, position].
-generate runs the step through a StaticDecoder: the token, its position and the tokens drawn
-live in static device buffers that the step itself updates, sampling included
-(sample_next_token), so the step has the same inputs at every token; on CUDA it is captured
-once as a CUDA graph and a token is one replay, and compiling it (sample.py --compile=True) adds
-Inductor's fusion inside that graph.
-"""
+Generation keeps a KVCache, every layer's keys and values so far: the prompt goes in as one
+call (a prefill), then each token is one GPT.decode_step, run by a StaticDecoder whose inputs
+are static device buffers the step itself updates, sampling included, so on CUDA it is captured
+once as a CUDA graph and a token is one replay (compiled with sample.py --compile=True)."""
 import contextlib
 import inspect
 import math
@@ -82,16 +74,10 @@ class GPTConfig:
 class KVCache:
     """Every layer's keys and values: layers[i] is layer i's (k, v), two static
     (B, n_kv_head, block_size, D) buffers (grouped-query attention keeps n_head / n_kv_head
-    times fewer bytes), of which positions [0, length) are filled. Allocated whole and
-    zeroed up front (a masked key's probability is 0, but 0 * NaN from uninitialised memory would
-    still be NaN), they never grow or move: a model with learned positions cannot see past
-    block_size anyway (see GPT.generate for what happens there), and a decode step, compiled or
-    captured as a CUDA graph, sees the same tensors at every step (see StaticDecoder).
-    A tensor per layer, not one (n_layer, ...) tensor of which each layer writes a view: compiled,
-    a write into a view of a graph input is applied to a copy of the whole input, copied back
-    after the step (every layer's cache, twice, at every token); a write into the input itself
-    Inductor makes in place.
-    length is the host's count of the tokens stored; GPT.forward and GPT.generate keep it."""
+    times fewer bytes), of which positions [0, length) are filled. Allocated whole and zeroed,
+    they never grow or move, so a compiled or captured decode step sees the same tensors at
+    every step; a tensor per layer, because a compiled write into a view of one big tensor is
+    made into a copy of it. length is the host's count of the tokens stored."""
 
     def __init__(self, n_layer, batch_size, n_head, block_size, head_dim, dtype, device):
         shape = (batch_size, n_head, block_size, head_dim)
@@ -102,15 +88,11 @@ class KVCache:
 
 
 def sample_next_token(logits, vocab_size, temperature=1.0, top_k=None):
-    """The next token (B, 1) drawn from the last position's logits (B, padded vocab): the one
-    sampling function of every path (no cache, prefill, the captured decode step). Only the first
-    vocab_size columns are drawn from, so a padding id never is. It never asks the host for a
-    value (no bool-mask indexing, no check of its input), so a CUDA graph can capture it: an exponential
-    race, argmax(p / E) with E ~ Exp(1) drawn per token, picks token i with probability p_i (the
-    Gumbel-max trick, as gpt-fast samples). E is kept above 0, so that p / E is finite and a
-    token of probability 0 can never win. top_k=1 (greedy) is the argmax, taken directly: the
-    race would only break exact ties at random, with twelve more kernels a token in the decode
-    step's graph; argmax takes the first."""
+    """The next token (B, 1) drawn from the last position's logits (B, padded vocab), on every
+    decoding path; padding ids past vocab_size never. It never asks the host for a value, so a
+    CUDA graph can capture it: an exponential race, argmax(p / E) with E ~ Exp(1) per token,
+    picks token i with probability p_i (the Gumbel-max trick, as gpt-fast samples), E kept above
+    0 so a token of probability 0 never wins. top_k=1 is the argmax itself."""
     if top_k == 1:
         return torch.argmax(logits[:, :vocab_size], dim=-1, keepdim=True)
     logits = logits[:, :vocab_size].float() / temperature
@@ -125,17 +107,12 @@ def sample_next_token(logits, vocab_size, temperature=1.0, top_k=None):
 
 class StaticDecoder:
     """generate's decoding loop after a prefill: per token, GPT.decode_step over a static
-    KVCache and sample_next_token, with the sampling settings fixed for the decoder's life.
-    Its state lives in static device buffers: token (B, 1), the token to feed; pos (1,), its
-    position; drawn (B, block_size), where the token drawn at position p is written at column p.
-    One step feeds token at pos, draws the next token into token and drawn, and advances pos,
-    all on the device, so the host only repeats the step and reads drawn once at the end.
-    Every input of the step has one shape, stride and address for the decoder's life:
-    torch.compile compiles decode_step once (a view such as idx[:, -1:] changes its stride and
-    offset at every token, and Dynamo recompiled for each), and on CUDA the whole step,
-    sampling included, is captured once into a torch.cuda.CUDAGraph: a token is one replay,
-    compiled or not (at batch 1 a step is a few hundred small kernels that the GPU runs faster
-    than Python issues them). On the CPU the step runs as is."""
+    KVCache and sample_next_token, with fixed sampling settings. Its state lives in static
+    device buffers: token (B, 1) to feed, pos (1,) its position, drawn (B, block_size) the
+    tokens drawn. One step feeds token at pos, draws the next into token and drawn, and
+    advances pos, all on the device: every input has one shape, stride and address for the
+    decoder's life, so torch.compile compiles the step once and on CUDA it is captured once
+    into a torch.cuda.CUDAGraph, a token one replay. On the CPU the step runs as is."""
 
     def __init__(self, step, cache, vocab_size, temperature, top_k):
         self.decode_step = step
@@ -173,15 +150,12 @@ class StaticDecoder:
         return self.drawn[:, start:start + n_tokens].clone()
 
     def capture(self):
-        """Warm up on a side stream (torch.compile compiles, Triton loads its kernels, and nothing
-        of that may happen during capture), then record one step, which capture does not run.
-        Each warm-up step starts from the saved token and pos, so it writes this position's key
-        and value as the first replay will (and never a position past the cache), and they draw
-        on a forked RNG, so the replays draw what uncaptured steps would. Autocast's cache of
-        cast weights would be freed when autocast exits, under a graph that still reads it: the
-        graph casts instead, every weight at every replay. So bf16 generation casts the weights
-        once beforehand and runs without autocast (generation_precision in training/devices.py),
-        and only float16's keeps autocast."""
+        """Warm up on a side stream (compiling and Triton's loading may not happen during
+        capture), then record one step. Each warm-up step starts from the saved token and pos,
+        and draws on a forked RNG, so the replays write and draw what uncaptured steps would.
+        Autocast's cache of cast weights would be freed under a graph that still reads it, so
+        bf16 generation casts the weights once beforehand (training/devices.py's
+        generation_precision) and only float16's keeps autocast, uncached."""
         autocast = dict(device_type="cuda", dtype=torch.get_autocast_dtype("cuda"),
                         enabled=torch.is_autocast_enabled("cuda"), cache_enabled=False)
         token, pos = self.token.clone(), self.pos.clone()
@@ -317,16 +291,11 @@ class GPT(nn.Module):
                        dtype or weight.dtype, device or weight.device)
 
     def forward(self, idx, targets=None, cache=None):
-        """Logits for every position and the mean cross-entropy when targets are given;
-        without targets, only the last position's logits (all that generation needs).
-
-        With targets the logits come back detached: the loss is what training differentiates.
-        A compiled model's backward takes a gradient for every output that requires one, and
-        autograd would fill a zero gradient the size of the logits for it at every step.
-
-        cache (from new_cache()): idx continues the tokens already in it, at the positions
-        after them, and its keys and values are stored. An empty cache takes any number of
-        tokens (a prefill); a filled one takes one token at a time."""
+        """Logits for every position and the mean cross-entropy when targets are given (the
+        logits then detached: a compiled backward would fill them a zero gradient); without
+        targets, only the last position's logits. cache (from new_cache()): idx continues the
+        tokens already in it and its keys and values are stored; an empty cache takes any
+        number of tokens (a prefill), a filled one one token at a time."""
         B, T = idx.shape
         start = 0 if cache is None else cache.length
         if start > 0 and T != 1:
@@ -364,18 +333,12 @@ class GPT(nn.Module):
         return self.lm_head(self.hidden_states(token, pos, cache))
 
     def compile_decode_step(self, backend="inductor"):
-        """Replace decode_step with one torch.compile graph (fullgraph: a graph break would
-        split it). generate's StaticDecoder gives it the same inputs at every step and captures
-        it in its own CUDA graph on the GPU, so Inductor's mode stays the default (its own CUDA
-        graphs cannot be recorded inside another); dynamic=False, so that a new batch size
-        compiles its own static graph rather than a dynamic one. Sampling (the decoder's, in its
-        CUDA graph) stays out of the compiled graph: Inductor draws random numbers its own way, and
-        uncompiled, one seed draws the same tokens whether the step is compiled or not.
-        With Inductor, coordinate descent tuning is on, as gpt-fast decodes: besides tuning each
-        generated kernel's block sizes, it has Inductor write a matmul of one row (batch-1
-        decoding) as a reduction, which it fuses with the layer norm before it and the GELU or
-        residual add after it, where cuBLAS would run each matmul as a kernel of its own
-        (docs/results.md has the tokens/s)."""
+        """Replace decode_step with one torch.compile graph (fullgraph, dynamic=False: a new
+        batch size compiles a static graph of its own). StaticDecoder captures it in its own
+        CUDA graph, so Inductor's mode stays the default; sampling stays outside it, so one seed
+        draws the same tokens compiled or not. Coordinate descent tuning is on, as gpt-fast
+        decodes: it has Inductor write a one-row matmul as a reduction fused with the layer norm
+        and the GELU or residual add around it, where cuBLAS runs each matmul alone."""
         options = {"coordinate_descent_tuning": True} if backend == "inductor" else None
         self.decode_step = torch.compile(self.decode_step, backend=backend, fullgraph=True, dynamic=False,
                                          options=options)
@@ -419,16 +382,12 @@ class GPT(nn.Module):
     @torch.no_grad()
     def generate(self, idx, max_new_tokens, temperature=1.0, top_k=None, kv_cache=True):
         """Append max_new_tokens sampled tokens to idx (B, T), the model seeing at most the last
-        block_size tokens each step. Padding ids past the real vocabulary are never drawn.
-
-        kv_cache=False feeds the whole context every step. kv_cache=True prefills a cache
-        with the context once, then lets a StaticDecoder feed each drawn token back, on the
-        device, until the cache holds block_size tokens. From then on it is refilled from the
-        last block_size tokens at every step: the context window slides by one, every token's
-        position changes, and with learned positions so do all the cached keys and values. Past
-        block_size the cache saves nothing, but both loops show the model the same tokens at
-        the same positions, so greedy decoding (top_k=1) gives the same tokens with and without
-        the cache. Every path draws with sample_next_token; the tokens stay on idx's device."""
+        block_size tokens. kv_cache=True prefills a cache with the context, then a StaticDecoder
+        feeds each drawn token back, on the device, until the cache holds block_size tokens;
+        from then on it is refilled from the last block_size tokens every step (learned
+        positions move every cached key). kv_cache=False feeds the whole context every step.
+        Both show the model the same tokens at the same positions, so greedy decoding gives the
+        same tokens either way."""
         block_size, vocab_size = self.config.block_size, self.config.vocab_size
         decoder = self.reusable_decoder(idx.size(0), idx.device, temperature, top_k) if kv_cache else None
         new_tokens = 0
@@ -452,15 +411,11 @@ INDUCTOR_OPTIONS = {"combo_kernels": True}
 
 
 def compile_model(model, mode):
-    """torch.compile(model, mode=mode), with INDUCTOR_OPTIONS (torch.compile takes a mode or
-    options, so the mode goes in as its options). With CUDA graphs (reduce-overhead, max-autotune) a
-    parameter's gradient can come out of the graph's memory, which the next micro-batch's
-    replay overwrites while autograd still holds the first micro-batch's gradient as .grad, so
-    accumulated gradients could be silently wrong (as reported upstream, pytorch/pytorch#96693;
-    we did not reproduce it without the hook). A hook hands autograd a copy instead, and
-    tests/test_compile_gpu.py checks accumulation through CUDA graphs against the plain model.
-    (On the CPU there are no CUDA graphs.) train.py calls
-    torch.compiler.cudagraph_mark_step_begin() before every forward for the same reason."""
+    """torch.compile(model, mode=mode) with INDUCTOR_OPTIONS. With the modes that capture
+    CUDA graphs (reduce-overhead, max-autotune) a parameter's gradient can live in the graph's
+    memory, which the next micro-batch's replay overwrites while autograd still holds it, so
+    accumulated gradients could be silently wrong (pytorch/pytorch#96693): a hook hands autograd
+    a copy. train.py marks each step's start (cudagraph_mark_step_begin) for the same reason."""
     if mode in ("reduce-overhead", "max-autotune"):
         for param in model.parameters():
             if param.requires_grad:
