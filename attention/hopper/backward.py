@@ -1,46 +1,33 @@
 """The FlashAttention backward for Hopper (sm_90), warp-specialised, in Gluon: dK, dV and dQ in
-one kernel, dQ summed by TMA's bulk reduce.
+one kernel, dQ summed by TMA's bulk reduce (docs/hopper.md walks through it).
 
-triton_backward.py splits the backward in two jobs so that every program owns its output: one
-walks the query tiles past a key tile for dK and dV, the other the key tiles past a query tile
-for dQ. Both recompute the scores and dP, so a tile pair costs seven matrix multiplies. Here,
-as FlashAttention-2 and -3 do it, one program per key tile computes dK, dV and its key tile's
-share of dQ, five multiplies, and adds that share into a float32 dQ in global memory:
+triton_backward.py splits the backward so that every program owns its output, at seven matrix
+multiplies a tile pair. Here, as FlashAttention-2 and -3 do it, one program per key tile
+computes dK, dV and its key tile's share of dQ, five multiplies, and adds that share into a
+float32 dQ in global memory:
 
 - The grid is one program per (key tile of 2 * BLOCK_N keys, batch-head).
-- The load partition (one warp) brings the key tile's K and V once, a BLOCK_N-row half for
-  each MMA warpgroup, then streams the Q and dO of every query tile that sees the key tile,
-  the last query tile first, through a ring of STAGES shared-memory slots. Each slot has
-  three mbarriers: q_ready and do_ready (the copy landed) and qdo_empty (both MMA warpgroups
-  are done with it).
-- Two MMA partitions (a warpgroup each) own one half of the key tile each: its dK and dV
-  accumulators (float32) in registers. For each query tile, everything transposed so that the
-  accumulators keep the key tile's shape, as in triton_backward._dkdv_query_tiles:
+- The load partition (one warp) brings the key tile's K and V once, a half for each MMA
+  warpgroup, then streams the Q and dO of every query tile that sees it, the last first,
+  through a ring of STAGES slots (mbarriers q_ready, do_ready, qdo_empty per slot).
+- Two MMA partitions (a warpgroup each) own one half of the key tile: its dK and dV in float32
+  registers. Per query tile, transposed as in triton_backward._dkdv_query_tiles:
       S^T = K Q^T, dP^T = V dO^T, P^T = exp2(S^T - lse), dS^T = P^T (dP^T - delta),
       dV += P^T dO, dK += dS^T Q.
-  dQ = dS K sums over keys, so it needs both halves' dS^T: each warpgroup writes its dS^T into
-  one shared buffer (mbarrier ds_ready, count 2), then computes half of dQ's columns over all
-  2 * BLOCK_N keys (FlashAttention-3's split: half the registers of a whole dQ tile). Once both
-  products have read the buffer, ds_free lets the next query tile's dS^T in.
-- Each warpgroup's dQ half goes through shared memory to TMA's reduce-add
-  (cp.reduce.async.bulk.tensor .add), which adds it into dQ in float32 in the memory system;
-  the warpgroup goes on with the next query tile meanwhile, into the other of its two staging
-  buffers. launch() zeroes that dQ before and casts it to q's dtype after: a float32
-  copy of dQ, twice q's bytes, is this kernel's extra memory.
-- At the end dK (times sm_scale) and dV leave through TMA, staged in the K and V buffers.
+  dQ = dS K needs both halves' dS^T: each warpgroup writes its own into one shared buffer
+  (ds_ready, count 2), then computes half of dQ's columns over all 2 * BLOCK_N keys
+  (FlashAttention-3's split); ds_free lets the next query tile's dS^T in.
+- Each warpgroup's dQ half goes through shared memory to TMA's reduce-add, which adds it into
+  dQ in float32 in the memory system, while the warpgroup goes on into its other staging
+  buffer. launch() zeroes that dQ before and casts it after: a float32 copy of dQ is this
+  kernel's extra memory. At the end dK (times sm_scale) and dV leave through TMA.
 
-Why the last query tile first: at head dim 128 it measured faster than the ascending order,
-most of all causal, and a few percent slower at 64 (docs/optimisation.md). Every key tile sees the last query tile, causal too, so
-one head's programs, which the GPU runs side by side, start on the same Q, dO and dQ rows and
-walk down together; ascending, causal programs start each at its own diagonal. At head dim 128
-this order also compiles to fewer spilled registers. The diagonal's masked tiles come last.
-
-What the split's two extra products cost, the reduce costs here in traffic: each key tile adds
-a float32 dQ for every query it sees. The reduces land in any order, so unlike
-triton_backward.py, two runs can differ in dQ's last bits (torch.use_deterministic_algorithms
-keeps the split). flash_backward (triton_backward.py)
-sends a call here where serves() says so: where this kernel measured faster than the split
-(docs/optimisation.md).
+The last query tile first: at head dim 128 it measured faster than ascending, most of all
+causal (every key tile sees the last query tile, so one head's programs start on the same rows
+and walk down together), and compiles to fewer spilled registers; a few percent slower at 64.
+The reduces land in any order, so two runs can differ in dQ's last bits:
+torch.use_deterministic_algorithms keeps the split. flash_backward sends a call here where
+serves() says so: where this kernel measured faster than the split (docs/optimisation.md).
 """
 import torch
 import triton

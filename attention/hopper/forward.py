@@ -1,35 +1,27 @@
-"""The FlashAttention forward for Hopper (sm_90), warp-specialised and persistent, in Gluon.
+"""The FlashAttention forward for Hopper (sm_90), warp-specialised and persistent, in Gluon
+(docs/hopper.md walks through it).
 
-triton_forward.py's kernel leaves the schedule to Triton's compiler: every warp loads, multiplies
-and computes the softmax in turn. Here the program spells it out, as FlashAttention-3 does, in
-Gluon (triton.experimental.gluon), Triton's lower-level language, where a kernel chooses its
-own layouts, shared-memory buffers, barriers and warp roles:
+triton_forward.py's kernel leaves the schedule to Triton's compiler: every warp loads,
+multiplies and computes the softmax in turn. Here the program spells it out, as
+FlashAttention-3 does, in Gluon, Triton's lower-level language, where a kernel chooses its own
+layouts, shared-memory buffers, barriers and warp roles:
 
-- The grid is one program per SM, and each program takes units of work in turn (persistent).
-  A unit is a pair of query tiles of one (batch, head), each tile 2 * BLOCK_M rows: tile t and
-  its mirror T - 1 - t. Causal, the two have T + 1 key tiles between them whatever t is, so
-  every unit is the same work and handing them out in turn keeps the programs level.
+- One program per SM takes units of work in turn (persistent). A unit is a pair of query
+  tiles of one (batch, head), each 2 * BLOCK_M rows: tile t and its mirror T - 1 - t, which
+  causal have T + 1 key tiles between them whatever t is: every unit is the same work.
 - The load partition (one warp) loads each query tile's Q, then streams its K and V tiles
-  through TMA into a ring of STAGES shared-memory slots. Each slot has three mbarriers: k_ready
-  and v_ready (the copy landed) and kv_empty (both softmax partitions are done with it).
-  Q has two buffers per half, so the loader brings the next query tile's Q while the softmax
-  partitions still read this one's keys, and its first K/V tiles as soon as ring slots free up:
-  a program pays the loads' latency once, not once per query tile, which is what made short
-  sequences slow when each program did one tile.
-- Two softmax partitions (a warpgroup each) own BLOCK_M query rows each. Each runs
-  triton_forward.py's online softmax over the same K/V tiles on its own, with the tensor cores'
-  asynchronous warpgroup MMA (wgmma). While one waits for its matrix multiply, the warp
-  scheduler runs the other's exponentials: FlashAttention-3's ping-pong, here left to the
-  hardware, without named barriers forcing the two to alternate. Where TILES says
-  SCORES_AHEAD, each also issues the next key tile's S = Q K^T with the current P V, so it
-  waits for the tensor cores once per key tile, not twice.
+  through TMA into a ring of STAGES slots (mbarriers k_ready, v_ready, kv_empty per slot). Q
+  has two buffers per half, so the next query tile's Q and first K/V tiles load while this
+  one's keys are still read: a program pays the loads' latency once, not once a query tile.
+- Two softmax partitions (a warpgroup each) own BLOCK_M query rows each and run
+  triton_forward.py's online softmax on the tensor cores' asynchronous wgmma; while one waits
+  for its matrix multiply, the warp scheduler runs the other's exponentials (FlashAttention-3's
+  ping-pong, left to the hardware). With SCORES_AHEAD each also issues the next key tile's
+  S = Q K^T with the current P V, waiting for the tensor cores once per key tile, not twice.
 
-The TMA descriptors are built once per program, over the whole (B, H, N, D) tensors; a tile is
-addressed by its (batch, head, row) coordinates.
-
-flash_forward (triton_forward.py) sends a call here when serves() says so. That is only where
-this kernel measured faster than triton_forward.py's on the H200 (docs/optimisation.md). It
-computes what _attn_fwd computes: O, and the logsumexp lse that the backward reads.
+flash_forward sends a call here when serves() says so: where this kernel measured faster than
+triton_forward.py's on the H200 (docs/optimisation.md). It computes what _attn_fwd computes:
+O, and the logsumexp lse that the backward reads.
 """
 import triton
 from triton.experimental import gluon
