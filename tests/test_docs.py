@@ -88,3 +88,14 @@ def test_pytest_commands_select_tests(doc, line, command):
                          capture_output=True, text=True, timeout=300)
     selected = re.search(r"(\d+)(?:/\d+)? tests? (?:collected|selected)", out.stdout)
     assert out.returncode == 0 and selected and int(selected[1]) > 0, f"{doc}: `{command}` selects no test"
+
+
+def test_the_tests_the_docs_name_exist():
+    """docs/guarantees.md names each promise's test as file::test_name (tests/test_<file>.py),
+    or ::test_name for another test of the file named just before."""
+    found, missing, file = 0, [], None
+    for match in re.finditer(r"(\w+)?::(test_\w+)", (REPO / "docs" / "guarantees.md").read_text()):
+        file, found = match[1] or file, found + 1
+        if f"def {match[2]}(" not in (REPO / "tests" / f"test_{file}.py").read_text():
+            missing.append(f"{file}::{match[2]}")
+    assert found > 30 and not missing, f"docs/guarantees.md names tests that do not exist: {missing}"
