@@ -7,6 +7,7 @@ process on one CUDA card.
     python bench.py --mode=ladder        # the forward, one optimisation at a time (docs/optimisation.md)
     python bench.py --mode=configs       # every tile config of each Triton kernel that fits the card, timed
     python bench.py --mode=step          # the default model's training step per backend: GPU and wall ms
+    python bench.py --mode=step --block_sizes=256,512,1024,4096 --max_memory_gb=12   # ... and memory, per context
     NANOFA2_ADA=1 python bench.py ...    # the path an RTX 4070 Super takes (attention/launch.py says what)
 
 The grids are the FlashAttention-2 paper's (16k tokens a batch, hidden 2048, N from 512 to 16k,
@@ -15,8 +16,10 @@ projection, as the model makes them. Kernels are timed with triton.testing.do_be
 of repeated runs on the GPU, after a warm-up); TFLOP/s count 4 * B * H * N^2 * D for the forward
 (half when causal) and 2.5 times that for the backward. The step mode times whole optimizer
 steps in turns, backend after backend, because the host drifts by tens of percent over minutes:
-GPU time (torch.profiler's kernel time) judges the kernels, wall time the host. Writes JSON and
-markdown tables (and a plot of each grid) to --out. The decode benchmark is sample.py --benchmark=True.
+GPU time (torch.profiler's kernel time) judges the kernels, wall time the host; at each block
+size the batch keeps the default run's tokens per micro-batch, and a backend out of memory is not
+run at longer ones. Writes JSON and markdown tables (and a plot of each grid) to --out. The
+decode benchmark is sample.py --benchmark=True.
 """
 import json
 import os
@@ -26,7 +29,7 @@ import time
 from dataclasses import asdict, dataclass, replace
 from unittest import mock
 
-from training.config import ConfigError, choice, parse_config
+from training.config import ConfigError, TrainConfig, choice, parse_config
 
 PROVIDERS = ("triton", "triton_fwd", "sdpa_flash", "sdpa_cudnn", "sdpa_efficient", "eager", "tiled")
 MODES = ("fwd", "bwd", "fwd+bwd")
@@ -40,6 +43,8 @@ class BenchConfig:
     providers: str = "triton,sdpa_flash,sdpa_cudnn"  # mode=grid: comma-separated, of triton, triton_fwd, sdpa_flash (FlashAttention-2), sdpa_cudnn, sdpa_efficient, eager, tiled
     backends: str = "eager,sdpa,triton"  # mode=step: the attention backends to train with
     compile_modes: str = "none,default,default+graph"  # mode=step: none (uncompiled) or a torch.compile mode; +graph: the step's CUDA graph
+    block_sizes: str = "512"  # mode=step: comma-separated contexts, e.g. 256,512,1024,4096; batch_size keeps 4 x 512 tokens
+    max_memory_gb: float = 0.0  # mode=step: cap torch's CUDA memory at this many GiB (12: act as a 12 GB card); 0: no cap
     rep_ms: int = 100  # do_bench's timing window per measurement, ms
     out: str = "bench-out"  # folder for the results
 
@@ -48,6 +53,8 @@ def check(config):
     unknown = set(config.providers.split(",")) - set(PROVIDERS)
     if unknown:
         raise ConfigError(f"providers={config.providers!r}: unknown {sorted(unknown)}; choose from {', '.join(PROVIDERS)}")
+    if not all(size.isdigit() and int(size) >= 1 for size in config.block_sizes.split(",")):
+        raise ConfigError(f"block_sizes={config.block_sizes!r}: expected ints >= 1, comma-separated (e.g. 256,512,1024)")
 
 
 config = parse_config(BenchConfig, check=check, usage=__doc__)  # before torch loads: --help answers at once
@@ -63,7 +70,7 @@ from attention.launch import fitting_configs  # noqa: E402
 from attention.triton_backward import BACKWARD_CONFIGS, backward_smem_rows, flash_backward  # noqa: E402
 from attention.triton_forward import FORWARD_CONFIGS, flash_forward, forward_smem_rows  # noqa: E402
 from model import GPT, GPTConfig, compile_model  # noqa: E402
-from training.devices import StepGraph  # noqa: E402
+from training.devices import StepGraph, cap_memory  # noqa: E402
 
 import triton  # noqa: E402, I001  (after attention, which decides whether Triton interprets)
 
@@ -236,16 +243,18 @@ def sweep_configs():
     return results
 
 
-def build_step(backend, compile_mode):
+def build_step(backend, compile_mode, block_size):
     """One optimizer step of the default model (GPTConfig(), dropout 0, bf16 autocast, fused
-    AdamW, random tokens), as train.py runs it, warmed up (5 steps, which compile)."""
+    AdamW, random tokens) at block_size, as train.py runs it, warmed up (5 steps, which compile).
+    batch_size keeps the default run's tokens per micro-batch (at least one sequence)."""
     torch.manual_seed(0)
     defaults = GPTConfig()
-    model = GPT(replace(defaults, dropout=0.0, attn=backend)).cuda()
+    batch_size = max(1, TrainConfig.batch_size * TrainConfig.block_size // block_size)
+    model = GPT(replace(defaults, block_size=block_size, dropout=0.0, attn=backend)).cuda()
     optimizer = model.configure_optimizers(0.1, 1e-4, (0.9, 0.99), "cuda")
     compile_mode, graphed = compile_mode.removesuffix("+graph"), compile_mode.endswith("+graph")
     run = model if compile_mode == "none" else compile_model(model, compile_mode)
-    batches = [torch.randint(0, defaults.vocab_size, (4, defaults.block_size), device="cuda") for _ in range(2)]
+    batches = [torch.randint(0, defaults.vocab_size, (batch_size, block_size), device="cuda") for _ in range(2)]
 
     def forward_backward(batches):
         optimizer.zero_grad(set_to_none=not graphed)
@@ -269,33 +278,68 @@ def build_step(backend, compile_mode):
 
 
 def step_times(rounds=6, steps=5):
-    """{(backend, mode): wall ms of each step, and GPU ms a step}: the backends of a mode take
-    turns, the order reversed every other round, so the host's drift falls on all alike."""
-    results = {}
-    for mode in config.compile_modes.split(","):
-        built = {backend: build_step(backend, mode) for backend in config.backends.split(",")}
-        walls = {backend: [] for backend in built}
-        for r in range(rounds):
-            for backend in (list(built) if r % 2 == 0 else reversed(list(built))):
-                for _ in range(steps):
-                    start = time.perf_counter()
-                    built[backend]()
+    """{"<backend> <mode> T=<block size>": wall ms of each step, GPU ms a step, peak MB}: the
+    backends of a mode take turns, the order reversed every other round, so the host's drift
+    falls on all alike. Peak memory is what building and warming a step adds to what is held."""
+    if config.max_memory_gb:
+        cap_memory(torch.device("cuda"), config.max_memory_gb, announce=True)
+    results, out_of_memory = {}, set()
+    for block_size in sorted(map(int, config.block_sizes.split(","))):
+        for mode in config.compile_modes.split(","):
+            built = {}
+            for backend in config.backends.split(","):
+                name = f"{backend} {mode} T={block_size}"
+                if (backend, mode) in out_of_memory:
+                    results[name] = dict(status="not run (out of memory at a shorter context)")
+                    continue
+                held = torch.cuda.memory_allocated()
+                torch.cuda.reset_peak_memory_stats()
+                try:
+                    built[backend] = build_step(backend, mode, block_size)
+                    results[name] = dict(peak_mb=(torch.cuda.max_memory_allocated() - held) / 2**20)
+                except torch.cuda.OutOfMemoryError:
+                    out_of_memory.add((backend, mode))
+                    results[name] = dict(status="out of memory")
+                    print(f"{name:<28} out of memory", flush=True)
+                torch.cuda.empty_cache()
+            walls = {backend: [] for backend in built}
+            for r in range(rounds):
+                for backend in (list(built) if r % 2 == 0 else reversed(list(built))):
+                    for _ in range(steps):
+                        start = time.perf_counter()
+                        built[backend]()
+                        torch.cuda.synchronize()
+                        walls[backend].append(1000 * (time.perf_counter() - start))
+            for backend, step in built.items():
+                with torch.profiler.profile(activities=[torch.profiler.ProfilerActivity.CUDA]) as prof:
+                    for _ in range(steps):
+                        step()
                     torch.cuda.synchronize()
-                    walls[backend].append(1000 * (time.perf_counter() - start))
-        for backend, step in built.items():
-            with torch.profiler.profile(activities=[torch.profiler.ProfilerActivity.CUDA]) as prof:
-                for _ in range(steps):
-                    step()
-                torch.cuda.synchronize()
-            gpu_us = sum(e.device_time_total for e in prof.key_averages()
-                         if e.device_type == torch.autograd.DeviceType.CUDA)
-            quartiles = statistics.quantiles(walls[backend], n=4)
-            results[f"{backend} {mode}"] = dict(wall_ms=statistics.median(walls[backend]),
-                                                wall_ms_iqr=(quartiles[0], quartiles[2]), gpu_ms=gpu_us / 1000 / steps)
-            print(f"{backend:<8} {mode:<16} wall {results[f'{backend} {mode}']['wall_ms']:7.2f} ms "
-                  f"(quartiles {quartiles[0]:.2f}-{quartiles[2]:.2f}), GPU {gpu_us / 1000 / steps:6.2f} ms", flush=True)
-        torch._dynamo.reset()
+                gpu_ms = sum(e.device_time_total for e in prof.key_averages()
+                             if e.device_type == torch.autograd.DeviceType.CUDA) / 1000 / steps
+                quartiles = statistics.quantiles(walls[backend], n=4)
+                name = f"{backend} {mode} T={block_size}"
+                result = results[name]
+                result.update(wall_ms=statistics.median(walls[backend]), wall_ms_iqr=(quartiles[0], quartiles[2]),
+                              gpu_ms=gpu_ms)
+                print(f"{name:<28} wall {result['wall_ms']:7.2f} ms (quartiles "
+                      f"{quartiles[0]:.2f}-{quartiles[2]:.2f}), GPU {gpu_ms:6.2f} ms, peak {result['peak_mb']:,.0f} MB",
+                      flush=True)
+            built = step = None  # frees the models before the next ones are built
+            torch._dynamo.reset()
+        write("step", results, step_table(results))  # after each block size: a cut run keeps it
     return results
+
+
+def step_table(results):
+    """Markdown: a row per backend, mode and block size."""
+    lines = ["| backend mode T=block size | wall ms (median) | wall ms (quartiles) | GPU ms | peak memory (MB) |",
+             "|---|---|---|---|---|"]
+    for name, r in results.items():
+        lines.append(f"| {name} | " + (f"{r['wall_ms']:.2f} | {r['wall_ms_iqr'][0]:.2f}-{r['wall_ms_iqr'][1]:.2f} | "
+                                        f"{r['gpu_ms']:.2f} | {r['peak_mb']:,.0f} |" if "wall_ms" in r else
+                                        f"{r['status']} | | | |"))
+    return "\n".join(lines)
 
 
 def environment():
@@ -327,7 +371,7 @@ def main():
     elif config.mode == "configs":
         write("configs", sweep_configs())
     elif config.mode == "step":
-        write("step", step_times())
+        step_times()
     else:
         providers = config.providers.split(",")
         rows = []

@@ -3,43 +3,28 @@ time, throughput and memory.
 
     python compare.py configs/tiny.py --max_iters=20                 # every backend, on the CPU
     python compare.py configs/shakespeare.py --backends=eager,triton,sdpa --max_iters=500
-    python compare.py configs/shakespeare.py --max_memory_gb=12 --max_iters=30 \
-        --sweep_block_size=256,512,1024,2048,4096                    # step time and memory vs context
     python compare.py --from_runs=out-a,out-b                        # runs train.py made before
     python compare.py --backends=eager,triton,sdpa --max_iters=30 --profile=True --compile_both=True
                                                                      # where each step's time goes
 
-Each backend trains in a subprocess of train.py with the same config and seed, so the
-same initial weights and batches; every train.py key (--max_iters, --max_memory_gb, ...)
-is passed on, and runs log every iteration and evaluate five times (--eval_interval =
-max_iters / 5) unless --log_interval or --eval_interval say otherwise. Writes to
---out (default out-compare/):
+Each backend trains in a subprocess of train.py with the same config and seed, so the same
+initial weights and batches; every train.py key is passed on, and runs log every iteration and
+evaluate five times unless --log_interval or --eval_interval say otherwise. Writes to --out:
 
   runs/<backend>/          each run's out_dir, with its train.log
-  compare.png, compare.md  loss curves overlaid (train every step, val at evaluations),
-                           steady-state step time (median and spread), tokens/s, MFU, peak
-                           memory, and how far each loss curve strays from eager's
-  profile.png              with --profile=True, each run's step split into attention forward
-                           and backward, matmuls, output layer + loss, optimizer, the rest and
-                           idle time (training/profiling.py), as stacked bars; compare.md gets the table
-                           and the memory torch can tell (peak, attention's saved tensors)
-  sweep/T<n>/<backend>/    with --sweep_block_size, the runs at each context length n ...
-  sweep.png, sweep.md      ... and their median step time, tokens/s and peak memory, with
-                           the runs that ran out of memory marked; shortest context first,
-                           rewritten after every run, so a sweep cut short keeps its results
+  compare.png, compare.md  loss curves overlaid, steady-state step time (median and spread),
+                           tokens/s, MFU, peak memory, and each loss curve's distance from eager's
+  profile.png              with --profile=True, each step split into the categories of
+                           training/profiling.py as stacked bars; compare.md gets the table
 
-The sweep keeps the tokens per micro-batch of the config (batch_size x block_size): at each
-context length n, batch_size = that / n (at least 1). A backend that runs out of memory at
-one length is not run at longer ones. Steady state leaves out the warm-up steps train.py
-flags (compile, autotune), so a backend is not charged for its one-off costs.
+Steady state leaves out the warm-up steps train.py flags (compile, autotune). A run that fails
+is marked in the report with its exit status and last line, and the other runs go on.
+--from_runs warns, and says in compare.md, when the runs differ in settings other than the
+backend. Step time and memory against context length: python bench.py --mode=step --block_sizes=...
 
-A run that fails other than by running out of memory is marked in the report with its exit
-status and last line of output, and the other runs go on. --from_runs warns, and says in
-compare.md, when the runs differ in settings other than the backend.
-
-Exit status: 0 done; 1 a run failed other than by running out of memory (after all the
-others ran and the report was written); 2 bad arguments (a corrupt --from_runs config.json
-too); 130 interrupted by Ctrl-C (the run in progress saves its checkpoint, as train.py does).
+Exit status: 0 done; 1 a run failed other than by running out of memory (after the others ran
+and the report was written); 2 bad arguments (a corrupt --from_runs config.json too); 130
+interrupted by Ctrl-C (the run in progress saves its checkpoint, as train.py does).
 """
 import os
 import re
@@ -54,9 +39,9 @@ import numpy as np
 from matplotlib.figure import Figure
 from tqdm import tqdm
 
-from training.config import (BACKENDS, CHECKPOINT_NAME, CONFIG_NAME, EXIT_ERROR, EXIT_OUT_OF_MEMORY, METRICS_NAME,
-                             RESUME_NAME, TRITON_BACKENDS, ConfigError, TrainConfig, check_config, check_folder,
-                             describe, join_overrides, parse_config)
+from training.config import (BACKENDS, CONFIG_NAME, EXIT_ERROR, EXIT_OUT_OF_MEMORY, METRICS_NAME, TRITON_BACKENDS,
+                             ConfigError, TrainConfig, check_config, check_folder, describe, join_overrides,
+                             parse_config)
 from training.profiling import CATEGORIES, read_profile
 from training.run_files import EVAL_KEYS, LOG_KEYS, RunFileError, read_metrics, read_run_config
 
@@ -77,7 +62,6 @@ class CompareConfig:
     backends: str = ",".join(BACKENDS)  # comma-separated, trained in this order
     out: str = "out-compare"
     from_runs: str = ""  # comma-separated train.py out_dirs to compare, instead of training
-    sweep_block_size: str = ""  # comma-separated context lengths, e.g. 256,512,1024,2048,4096
     profile: bool = False  # profile a few steady steps of each run (train.py --profile=True): profile.png
     compile_both: bool = False  # train each backend twice, uncompiled and with torch.compile
 
@@ -107,15 +91,9 @@ def check_compare_config(config, passed_on):
     if not backends or unknown or len(set(backends)) != len(backends):
         raise ConfigError(f"backends={config.backends!r}: expected distinct names from {', '.join(BACKENDS)}, "
                           "comma-separated")
-    sizes = split_list(config.sweep_block_size)
-    if not all(size.isdigit() and int(size) >= 1 for size in sizes):
-        raise ConfigError(f"sweep_block_size={config.sweep_block_size!r}: expected ints >= 1, comma-separated "
-                          "(e.g. 256,512,1024)")
-    if config.from_runs and sizes:
-        raise ConfigError("from_runs and sweep_block_size: the sweep trains its own runs; give one or the other")
-    if (config.profile or config.compile_both) and (config.from_runs or sizes):
+    if (config.profile or config.compile_both) and config.from_runs:
         raise ConfigError("profile and compile_both apply to the comparison of backends, not to from_runs "
-                          "(which shows any profile.json its runs hold) or sweep_block_size")
+                          "(which shows any profile.json its runs hold)")
     if config.compile_both and any(arg.startswith("--compile=") for arg in passed_on):
         raise ConfigError("--compile: compile_both=True trains every backend both ways; give one or the other")
     check_folder("out", config.out, writable=True)
@@ -130,8 +108,8 @@ def check_compare_config(config, passed_on):
 
 
 def check_finished_run(out_dir):
-    """A ConfigError unless out_dir holds the config.json and metrics.jsonl of a train.py run
-    with the keys the report reads, and at least one log record."""
+    """A ConfigError unless out_dir holds a train.py run's config.json and metrics.jsonl, with
+    the keys the report reads and at least one log record."""
     for name in (CONFIG_NAME, METRICS_NAME):
         if not os.path.isfile(os.path.join(out_dir, name)):
             raise ConfigError(f"from_runs: {out_dir} has no {name}; expected the out_dir of a train.py run")
@@ -158,10 +136,8 @@ def check_finished_run(out_dir):
 def parse_args(argv):
     """(CompareConfig, the train.py arguments to pass on, their TrainConfig); exits 2 on bad ones."""
     if "-h" in argv or "--help" in argv:
-        print(__doc__)
-        print("compare.py keys (--key=value):")
-        print("\n".join(describe(CompareConfig).splitlines()[1:]))
-        print("and any train.py key (python train.py --help), passed on to every run")
+        print(f"{__doc__}\n{describe(CompareConfig)}\nand any train.py key (python train.py --help), passed on to "
+              "every run")
         sys.exit(0)
     argv = join_overrides(argv)
     own_keys = {f.name for f in fields(CompareConfig)}
@@ -171,14 +147,9 @@ def parse_args(argv):
     # Checked now, with each backend it will train, so a typo (or a head dim the Triton kernels
     # cannot take) stops compare.py before the first run rather than after it.
     backends = split_list(config.backends)
-    train_config = parse_config(TrainConfig, passed_on,
-                                check=lambda train_config: check_each_backend(train_config, backends))
+    train_config = parse_config(TrainConfig, passed_on, check=lambda train_config: [
+        check_config(replace(train_config, attn=backend)) for backend in backends])
     return config, passed_on, train_config
-
-
-def check_each_backend(train_config, backends):
-    for backend in backends:
-        check_config(replace(train_config, attn=backend))
 
 
 def train(label, out_dir, args, total_iters):
@@ -240,8 +211,6 @@ def differing_settings(runs):
             for key in keys if len({repr(run.config.get(key)) for run in runs}) > 1]
 
 
-# ---- numbers ----
-
 def steady_records(run):
     return [r for r in run.records if "loss" in r and not r["warmup"]]
 
@@ -282,8 +251,6 @@ def describe_setup(config):
             f"{config['gradient_accumulation_steps']} accumulation ({config['tokens_per_iter']:,} tokens/iter), "
             f"{config['max_iters']} iters, seed {config['seed']}; {device}, {config['dtype']}{cap}")
 
-
-# ---- the comparison of backends ----
 
 def comparison_row(run, reference):
     """A run's row of compare.md's table."""
@@ -341,17 +308,19 @@ the val loss of every evaluation.
     if profiles:
         with open(os.path.join(out, "compare.md"), "a") as f:
             f.write(profile_table(profiles))
-        plot_profiles(profiles, {run.label: run.config["attn"] for run in trained},
-                      os.path.join(out, "profile.png"), setup)
+        plot_profiles(profiles, os.path.join(out, "profile.png"), setup)
 
 
 def busy_ms(profile):
     return sum(ms for category, ms in profile["ms"].items() if category != "idle")
 
 
+def profile_unit(profiles):
+    return "GPU kernel" if all(p["device"] == "cuda" for p in profiles.values()) else "CPU op"
+
+
 def profile_table(profiles):
     """compare.md's section on where each profiled run's step goes."""
-    unit = "GPU kernel" if all(p["device"] == "cuda" for p in profiles.values()) else "CPU op"
     rows = []
     for label, profile in profiles.items():
         rows.append(" | ".join([f"| {label}", *(f"{profile['ms'][c]:.2f}" for c in CATEGORIES),
@@ -362,7 +331,7 @@ def profile_table(profiles):
 ## Where the step goes
 
 torch.profiler over {next(iter(profiles.values()))['steps']} steady-state steps of each run (training/profiling.py), in
-ms per optimizer step of {unit} time. Idle is the step's wall time during which the device ran
+ms per optimizer step of {profile_unit(profiles)} time. Idle is the step's wall time during which the device ran
 nothing: the host had not launched the next work yet. Busy is the step minus idle, and attention's
 share is of busy time. Compiled code is sorted by kernel name where the profiler ranges do not
 reach it; where attention is fused into other kernels, its share reads "n/a (fused)". Peak memory is
@@ -382,7 +351,7 @@ def share_text(profile):
     return f"{100 * attention / busy_ms(profile):.0f}%" if attention > 0 else "n/a (fused)"
 
 
-def plot_profiles(profiles, attn_of, path, setup):
+def plot_profiles(profiles, path, setup):
     """A stacked bar per profiled run: its step's time by category, idle last."""
     fig = Figure(figsize=(11, 5.5), layout="constrained")
     ax = fig.subplots()
@@ -397,15 +366,14 @@ def plot_profiles(profiles, attn_of, path, setup):
     for x, (label, total) in enumerate(zip(labels, bottoms)):
         ax.text(x, total, f"{total:.1f} ms\nattention share {share_text(profiles[label])}",
                 ha="center", va="bottom", fontsize=8)
-    device = "GPU kernel time" if all(p["device"] == "cuda" for p in profiles.values()) else "CPU op time"
-    ax.set(ylabel=f"ms per optimizer step ({device}; idle: nothing running)", ylim=(0, 1.15 * bottoms.max()))
+    ax.set(ylabel=f"ms per optimizer step ({profile_unit(profiles)} time; idle: nothing running)",
+           ylim=(0, 1.15 * bottoms.max()))
     ax.legend(fontsize=8, loc="upper left", bbox_to_anchor=(1.0, 1.0))
     fig.savefig(path, dpi=120)
 
 
 def tick_label(run):
-    """A run's label under its bar or box, a word a line: the names of six runs ("eager
-    compiled", ...) side by side on one line run into each other."""
+    """A run's label under its bar or box, a word a line, so that six labels side by side do not run together."""
     return run.label.replace(" ", "\n")
 
 
@@ -426,16 +394,17 @@ def plot_comparison(runs, path, setup, reference):
         axes[2].set(title="steady-state step time (box: quartiles, whiskers: p10-p90)", ylabel="ms")
     else:
         no_data(axes[2], "no steady-state steps (max_iters too small)")
-    bar_chart(axes[3], runs, "tokens_per_s", median_of, "tokens/s (median)", "tokens/s", "{:,.0f}")
+    bar_chart(axes[3], runs, lambda run: median_of(run, "tokens_per_s"), "tokens/s (median)", "tokens/s", "{:,.0f}")
     if not on_cpu:
         gpu = trained[0].config.get("gpu") if trained else None
-        bar_chart(axes[4], runs, "mfu", lambda run, key: median_of(run, key) and 100 * median_of(run, key),
+        bar_chart(axes[4], runs, lambda run: median_of(run, "mfu") and 100 * median_of(run, "mfu"),
                   "MFU (median)", "% of the card's bf16 peak", "{:.1f}%",
                   f"no MFU: training/devices.py has no bf16 peak\nfor the {gpu} to divide by.")
-        bar_chart(axes[5], runs, "peak_mem_mb", lambda run, key: peak_memory(run), "peak GPU memory", "MB", "{:,.0f}")
-        cap = trained[0].config.get("max_memory_gb") if trained else None
-        if cap and axes[5].axison:
-            draw_cap(axes[5], cap)
+        bar_chart(axes[5], runs, peak_memory, "peak GPU memory", "MB", "{:,.0f}")
+        cap_gb = trained[0].config.get("max_memory_gb") if trained else None
+        if cap_gb and axes[5].axison:  # the cap as a line, the axis stretched to show it (peak_mem_mb is MiB)
+            axes[5].axhline(cap_gb * 1024, color="red", ls=":", label=f"max_memory_gb={cap_gb:g}")
+            axes[5].set_ylim(top=max(axes[5].get_ylim()[1], 1.08 * cap_gb * 1024))
             axes[5].legend(fontsize=7)
     fig.savefig(path, dpi=120)
 
@@ -489,25 +458,14 @@ def coinciding_runs(runs, reference):
         return []
     losses = [r[key] for r in reference.records for key in ("loss", "val_loss") if key in r]
     tolerance = (max(losses) - min(losses)) / 500 if losses else 0.0
-
-    def within_tolerance(run, key):
-        difference = max_difference(run, reference, key)
-        return difference is not None and difference <= tolerance
-
-    return [run for run in runs
-            if run is not reference and within_tolerance(run, "loss") and within_tolerance(run, "val_loss")]
+    return [run for run in runs if run is not reference and all(
+        (difference := max_difference(run, reference, key)) is not None and difference <= tolerance
+        for key in ("loss", "val_loss"))]
 
 
-def draw_cap(ax, max_memory_gb):
-    """The memory cap as a line, with the axis stretched to show it (peak_mem_mb is MiB)."""
-    cap_mb = max_memory_gb * 1024
-    ax.axhline(cap_mb, color="red", ls=":", label=f"max_memory_gb={max_memory_gb:g}")
-    ax.set_ylim(top=max(ax.get_ylim()[1], 1.08 * cap_mb))
-
-
-def bar_chart(ax, runs, key, value_of, title, unit, label_format, missing=None):
+def bar_chart(ax, runs, value_of, title, unit, label_format, missing=None):
     """One bar per run; a run that ran out of memory or failed gets a label instead of a bar."""
-    values = {run.label: value_of(run, key) for run in runs if run.finished}
+    values = {run.label: value_of(run) for run in runs if run.finished}
     if all(value is None for value in values.values()):
         no_data(ax, missing or f"{title}: n/a")
         return
@@ -526,141 +484,15 @@ def no_data(ax, message):
     ax.text(0.5, 0.5, message, ha="center", va="center", transform=ax.transAxes)
 
 
-# ---- the context-length sweep ----
-
-def sweep_batch_size(train_config, block_size):
-    """The batch_size that keeps the config's tokens per micro-batch at this block_size."""
-    return max(1, train_config.batch_size * train_config.block_size // block_size)
-
-
-def run_sweep(backends, sizes, out, passed_on, train_config, command):
-    """{backend: {block_size: Run or None}}: None where not run, the backend having run out
-    of memory at a shorter context. Shortest contexts first, every backend at each, and the
-    tables are rewritten after every run: a sweep cut short still leaves what it measured."""
-    results = {backend: {} for backend in backends}
-    for block_size in sizes:
-        for backend in backends:
-            if any(run is None or run.out_of_memory for run in results[backend].values()):
-                results[backend][block_size] = None
-                continue
-            batch_size = sweep_batch_size(train_config, block_size)
-            # The sweep needs step times, not losses: one eval batch is enough.
-            args = ["--log_interval=1", "--eval_iters=1", *passed_on, f"--attn={backend}",
-                    f"--block_size={block_size}", f"--batch_size={batch_size}"]
-            out_dir = os.path.join(out, "sweep", f"T{block_size}", backend)
-            run = train(f"{backend} T={block_size}", out_dir, args, train_config.max_iters)
-            # Only the numbers matter here; a checkpoint of every point would take GBs.
-            for name in (CHECKPOINT_NAME, RESUME_NAME):
-                if os.path.exists(os.path.join(out_dir, name)):
-                    os.remove(os.path.join(out_dir, name))
-            results[backend][block_size] = run
-            write_sweep(results, sizes, out, command, train_config)
-    return results
-
-
-def sweep_cell(by_size, size, value):
-    if size not in by_size:
-        return "–"
-    run = by_size[size]
-    if run is None:
-        return "not run"
-    if run.out_of_memory:
-        return "**OOM**"
-    if run.failure:
-        return f"**failed** ({run.failure.split(':')[0]})"
-    return value(run)
-
-
-def write_sweep(results, sizes, out, command, train_config):
-    tokens = train_config.batch_size * train_config.block_size
-    finished = [run for by_size in results.values() for run in by_size.values() if run and run.finished]
-    # The model, device and dtype of any run, with the config's own block_size and batch_size.
-    setup = (describe_setup({**finished[0].config, "block_size": train_config.block_size,
-                             "batch_size": train_config.batch_size}) if finished else "every run ran out of memory")
-    batch_sizes = ", ".join(f"T={size}: {sweep_batch_size(train_config, size)}" for size in sizes)
-    header = "| backend | " + " | ".join(f"T={size}" for size in sizes) + " |\n|" + " --- |" * (len(sizes) + 1)
-    tables = []
-    for title, value in [
-        ("median step time (ms), steady state", lambda run: fmt(median_of(run, "step_ms"), ".1f")),
-        ("tokens/s (median)", lambda run: fmt(median_of(run, "tokens_per_s"), ",.0f")),
-        ("peak GPU memory (MB)", lambda run: fmt(peak_memory(run), ",.0f")),
-    ]:
-        rows = [f"| {backend} | " + " | ".join(sweep_cell(by_size, size, value) for size in sizes) + " |"
-                for backend, by_size in results.items()]
-        tables.append(f"## {title}\n\n{header}\n" + "\n".join(rows))
-    text = f"""# Step time and memory vs context length
-
-`{command}`
-
-{setup}.
-
-Each context length T keeps the config's {tokens:,} tokens per micro-batch: batch_size = {tokens:,} / T
-(at least 1), so {batch_sizes}. **OOM**: train.py ran out of memory; "not run": it had already run out at a shorter
-context; **failed**: train.py failed otherwise (its train.log says why); "–": the sweep has not reached it (yet). Steady state as in compare.md: after each run's warm-up steps.
-
-""" + "\n\n".join(tables) + "\n"
-    with open(os.path.join(out, "sweep.md"), "w") as f:
-        f.write(text)
-    plot_sweep(results, sizes, os.path.join(out, "sweep.png"), setup, train_config.max_memory_gb)
-
-
-def plot_sweep(results, sizes, path, setup, max_memory_gb):
-    fig = Figure(figsize=(13, 5), layout="constrained")
-    time_ax, memory_ax = fig.subplots(1, 2)
-    # The setup line is long: wrapped, so the figure's narrower width does not clip it.
-    fig.suptitle(textwrap.fill(f"Step time and memory vs context length: {setup}", 150), fontsize=9)
-    has_memory = any(run and run.finished and peak_memory(run) is not None
-                     for by_size in results.values() for run in by_size.values())
-    axes = (time_ax, memory_ax) if has_memory else (time_ax,)
-    for backend, by_size in results.items():
-        done = [(size, run) for size, run in by_size.items() if run and run.finished]
-        out_of_memory = [size for size, run in by_size.items() if run is None or run.out_of_memory]
-        label = backend + (f" (out of memory from T={out_of_memory[0]})" if out_of_memory else "")
-        time_ax.plot([size for size, _ in done], [median_of(run, "step_ms") for _, run in done], "o-",
-                     color=COLORS[backend], label=label)
-        if has_memory:
-            memory_ax.plot([size for size, _ in done], [peak_memory(run) for _, run in done], "o-",
-                           color=COLORS[backend], label=label)
-        for ax in axes:  # an x at the top edge where the backend ran out of memory
-            ax.plot(out_of_memory, [0.97] * len(out_of_memory), "x", color=COLORS[backend], ms=10, mew=2,
-                    transform=ax.get_xaxis_transform())
-    for ax in axes:
-        ax.set_xscale("log", base=2)
-        ax.set_xticks(sizes, [str(size) for size in sizes])
-        ax.set_xlabel("context length (block_size)")
-    # Step times differ by orders of magnitude between the fused backends and the tiled loop: a
-    # log axis shows both.
-    time_ax.set_yscale("log")
-    memory_ax.set_ylim(bottom=0)
-    time_ax.set(title="median step time, steady state (x: out of memory)", ylabel="ms (log scale)")
-    time_ax.legend(fontsize=8)
-    if has_memory:
-        if max_memory_gb:
-            draw_cap(memory_ax, max_memory_gb)
-        memory_ax.set(title="peak GPU memory (x: out of memory)", ylabel="MB")
-        memory_ax.legend(fontsize=8)
-    else:
-        no_data(memory_ax, "peak GPU memory: n/a (no GPU)")
-    fig.savefig(path, dpi=120)
-
-
 def main(argv=None):
     argv = sys.argv[1:] if argv is None else list(argv)
     config, passed_on, train_config = parse_args(argv)
-    command = " ".join(["python compare.py", *argv])
-    backends = split_list(config.backends)
-    sizes = [int(size) for size in split_list(config.sweep_block_size)]
     try:
         if config.from_runs:
             runs = runs_from_dirs(split_list(config.from_runs))
             for difference in differing_settings(runs):
                 print(f"warning: the runs differ in {difference}; compare.md says so", file=sys.stderr)
-            write_comparison(runs, config.out, command)
-        elif sizes:
-            results = run_sweep(backends, sizes, config.out, passed_on, train_config, command)
-            runs = [run for by_size in results.values() for run in by_size.values() if run is not None]
-        else:
-            # A backend that fails is marked in compare.md; the others still run.
+        else:  # a backend that fails is marked in compare.md; the others still run
             # (label suffix, extra train.py arguments) for each way every backend trains
             variants = [("", [])] if not config.compile_both else [("", ["--compile=False"]),
                                                                    (" compiled", ["--compile=True"])]
@@ -669,14 +501,12 @@ def main(argv=None):
                           ["--log_interval=1", f"--eval_interval={max(1, train_config.max_iters // 5)}", *passed_on,
                            *profile, *extra, f"--attn={backend}"],
                           train_config.max_iters)
-                    for backend in backends for suffix, extra in variants]
-            write_comparison(runs, config.out, command)
+                    for backend in split_list(config.backends) for suffix, extra in variants]
+        write_comparison(runs, config.out, " ".join(["python compare.py", *argv]))
     except KeyboardInterrupt:
         print("compare.py: interrupted", file=sys.stderr)
         sys.exit(128 + signal.SIGINT)
-    written = ["sweep.md", "sweep.png"] if sizes else ["compare.md", "compare.png"]
-    if config.profile:
-        written.append("profile.png")
+    written = ["compare.md", "compare.png"] + (["profile.png"] if config.profile else [])
     print("wrote " + ", ".join(os.path.join(config.out, name) for name in written))
     failed = [run.label for run in runs if run.failure]
     if failed:

@@ -1,12 +1,11 @@
 """compare.py on the CPU: every backend trains configs/tiny.py (shrunk to batches of 2
 sequences of 32 tokens, one batch an evaluation, so the Triton interpreter is quick), the report and figure are written, and each backend's
-loss curves stay within LOSS_TOLERANCE of eager's; the context-length sweep marks the runs
-that ran out of memory; --from_runs compares finished runs; bad arguments stop it first."""
+loss curves stay within LOSS_TOLERANCE of eager's; --from_runs compares finished runs; bad
+arguments stop it first."""
 import json
 import math
 import os
 import struct
-from pathlib import Path
 
 import pytest
 
@@ -20,7 +19,6 @@ pytestmark = pytest.mark.xdist_group("compare")
 # On the CPU in float32 the backends differ from eager by about 1e-6 after 8 steps (summation
 # order); a backend that computes something else is off by 1e-2 or more within a step.
 LOSS_TOLERANCE = 1e-4
-FAKE_OOM = REPO / "tests" / "shims" / "fake_oom"
 
 
 def table_rows(markdown):
@@ -92,35 +90,12 @@ def test_from_runs_compares_finished_runs(comparison, tmp_path):
     assert (tmp_path / "compare.png").exists()
 
 
-def test_sweep_marks_out_of_memory_and_skips_longer_contexts(data_dir, tmp_path):
-    # The shim makes eager run out of memory from a 32-token context on (see its docstring).
-    env = dict(os.environ, PYTHONPATH=os.pathsep.join([str(FAKE_OOM), os.environ.get("PYTHONPATH", "")]),
-               FAKE_OOM_ROW_LENGTH="32")
-    result = run_script("compare.py", "configs/tiny.py", f"--data_dir={data_dir}", "--backends=eager,sdpa",
-                        "--sweep_block_size=16,32,64", "--max_iters=4", f"--out={tmp_path}", env=env)
-    assert result.returncode == 0, result.stderr
-    sweep_md = (tmp_path / "sweep.md").read_text()
-    step_ms = table_rows(sweep_md.split("## median step time")[1].split("##")[0])
-    assert float(step_ms["eager"][1]) > 0 and step_ms["eager"][2:] == ["**OOM**", "not run"]
-    assert all(float(cell) > 0 for cell in step_ms["sdpa"][1:])
-    assert "T=16: 32, T=32: 16, T=64: 8" in sweep_md  # batch_size keeps 512 tokens per micro-batch
-    assert (tmp_path / "sweep.png").read_bytes().startswith(b"\x89PNG")
-    log = (tmp_path / "sweep" / "T32" / "eager" / "train.log").read_text()
-    assert "error: out of memory with attn=eager, block_size=32, batch_size=16" in log and "Traceback" not in log
-    assert not (tmp_path / "sweep" / "T64" / "eager").exists()
-    # Shortest context first, every backend at each: sdpa at T=16 ran before eager at T=32.
-    finished = lambda t, backend: (tmp_path / "sweep" / t / backend / "train.log").stat().st_mtime
-    assert finished("T16", "sdpa") <= finished("T32", "eager")
-    assert not list(Path(tmp_path).rglob("ckpt.pt"))  # the sweep keeps numbers, not checkpoints
-
-
 @pytest.mark.parametrize("args, message", [
     (["--backends=eager,flash"], "backends='eager,flash': expected distinct names from eager, tiled"),
     (["--attn=triton"], "--attn: compare.py sets it for each run; use --backends=..."),
     (["--lerning_rate=1e-3"], "unknown key --lerning_rate (did you mean 'learning_rate'?)"),
-    (["--sweep_block_size=256,big"], "sweep_block_size='256,big': expected ints >= 1"),
     (["--n_embd=36", "--n_head=2"], "attn='triton' with n_embd=36 and n_head=2: the head dim n_embd / n_head = 18"),
-], ids=["backend", "attn", "train key", "sweep", "triton head dim"])
+], ids=["backend", "attn", "train key", "triton head dim"])
 def test_bad_arguments_stop_before_any_run(args, message, tmp_path):
     result = run_script("compare.py", "configs/tiny.py", f"--out={tmp_path / 'out'}", *args)
     assert result.returncode == 2
@@ -213,3 +188,11 @@ def test_an_out_that_is_a_file_exits_2_in_one_line(trained_out_dir, tmp_path):
     result = run_script("compare.py", f"--from_runs={trained_out_dir}", f"--out={tmp_path / 'report'}")
     assert result.returncode == 2
     assert result.stderr == f"config error: out='{tmp_path / 'report'}' is a file; expected a folder (made if missing)\n"
+
+
+def test_bench_step_refuses_a_bad_block_size_list_at_once():
+    # Step time and memory against context length moved to bench.py --mode=step --block_sizes=...,
+    # which needs a GPU to run but checks its settings before torch loads.
+    result = run_script("bench.py", "--mode=step", "--block_sizes=256,big")
+    assert result.returncode == 2 and "Traceback" not in result.stderr
+    assert "block_sizes='256,big': expected ints >= 1" in result.stderr

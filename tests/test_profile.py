@@ -114,9 +114,9 @@ def test_compare_profiles_every_backend(data_dir, tmp_path):
 
 
 @pytest.mark.parametrize("args, message", [
-    (["--profile=True", "--sweep_block_size=16,32"], "profile and compile_both apply to the comparison"),
+    (["--profile=True", "--from_runs=out-a"], "profile and compile_both apply to the comparison"),
     (["--compile_both=True", "--compile=True"], "--compile: compile_both=True trains every backend both ways"),
-], ids=["sweep", "compile"])
+], ids=["from_runs", "compile"])
 def test_bad_profile_arguments_stop_before_any_run(args, message, tmp_path):
     result = run_script("compare.py", "configs/tiny.py", f"--out={tmp_path / 'out'}", *args)
     assert result.returncode == 2
