@@ -289,13 +289,11 @@ def write_comparison(runs, out, command):
 
 {setup}.
 
-Step time is the whole optimizer step (all micro-batches, backward, optimizer), timed between
-device synchronisations; median and 10th-90th percentile over the steady-state iterations
-(after each run's warm-up steps). tokens/s and MFU are medians over the same iterations; peak
-memory is the most torch allocated on the GPU. Losses are nats per token; bits/char is the val
-loss per character of text (nanoGPT's character-level Shakespeare reaches 2.12). The last two columns are the largest absolute
-difference from the (first) {REFERENCE} run's curve: the training loss of every logged iteration, and
-the val loss of every evaluation.
+Step time is the whole optimizer step between device synchronisations, over the steady-state
+iterations (after the warm-up steps), as are tokens/s and MFU; peak memory is the most torch
+allocated on the GPU. Losses are nats per token; bits/char is the val loss per character
+(nanoGPT's character-level Shakespeare reaches 2.12). The last two columns are the largest
+distance from the (first) {REFERENCE} run's training loss at every logged iteration and val loss at every evaluation.
 {notes}
 | backend | final train loss | final val loss | final val bits/char | step ms (median) | step ms (p10 - p90) | tokens/s | MFU | peak memory (MB) | max abs diff, train loss | max abs diff, val loss |
 | --- | --- | --- | --- | --- | --- | --- | --- | --- | --- | --- |
@@ -330,13 +328,10 @@ def profile_table(profiles):
     return f"""
 ## Where the step goes
 
-torch.profiler over {next(iter(profiles.values()))['steps']} steady-state steps of each run (training/profiling.py), in
-ms per optimizer step of {profile_unit(profiles)} time. Idle is the step's wall time during which the device ran
-nothing: the host had not launched the next work yet. Busy is the step minus idle, and attention's
-share is of busy time. Compiled code is sorted by kernel name where the profiler ranges do not
-reach it; where attention is fused into other kernels, its share reads "n/a (fused)". Peak memory is
-the most torch allocated by the end of the profiled steps; attention saved is what attention
-keeps for its backward pass in one micro-batch's forward (all layers, uncompiled).
+torch.profiler over {next(iter(profiles.values()))['steps']} steady steps of each run (training/profiling.py), in ms
+per optimizer step of {profile_unit(profiles)} time. Idle: the device ran nothing, waiting for the host. Attention's
+share is of busy time (the step less idle); "n/a (fused)" where attention is fused into other
+kernels. Attention saved: what attention keeps for backward in one micro-batch (all layers).
 
 | run | {' | '.join(CATEGORIES)} | step (wall) | busy | attention share | peak memory (MB) | attention saved (MB) |
 |{' --- |' * (len(CATEGORIES) + 6)}

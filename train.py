@@ -5,25 +5,20 @@
     python train.py configs/tiny.py --init_from=resume    # continue a stopped run
     torchrun --standalone --nproc_per_node=2 train.py --attn=triton   # data-parallel, 2 GPUs
 
-Settings are TrainConfig's fields (training/config.py), set in config files and with
---key=value, listed below. Paths are relative to the current directory, but the default
-data_dir is data/shakespeare in the repo, wherever you run from. A run holds its out_dir alone
-and writes there config.json, metrics.jsonl, ckpt.pt (the best checkpoint) and, when a signal
-stops it, resume.pt (training/run_files.py). Log lines end with an ETA, a long step or
-evaluation says how far it has got, and a CPU run says how many threads it takes. Under
-torchrun rank 0 alone logs, evaluates and saves.
-
-SIGINT (Ctrl-C), SIGTERM or SIGHUP (a closed terminal) finishes the current iteration, or
-evaluation batch, saves resume.pt (never over ckpt.pt) and exits; --init_from=resume goes on as
-an uninterrupted run would, an evaluation cut short included. A second signal stops at once.
+Settings are TrainConfig's fields (training/config.py), listed below. Paths are relative to the
+current directory, except the default data_dir, data/shakespeare in the repo. A run holds its
+out_dir alone and writes there config.json, metrics.jsonl, ckpt.pt (the best checkpoint) and,
+when a signal stops it, resume.pt (training/run_files.py). Under torchrun rank 0 alone logs,
+evaluates and saves. SIGINT, SIGTERM or SIGHUP finishes the current iteration (or evaluation
+batch), saves resume.pt and exits; --init_from=resume goes on as an uninterrupted run would. A
+second signal stops at once.
 
 Exit status:
     0              the run reached max_iters
     1              an error stopped it: bad data, an unusable checkpoint, a failed write, a NaN loss
-    2              bad configuration, refused before out_dir is touched: a setting wrong in itself
-                   (unknown key, wrong type or value), one this machine or data cannot run (no GPU
-                   for --device=cuda, a block_size longer than the data), an unusable out_dir or
-                   data_dir, an out_dir another run holds
+    2              bad configuration, refused before out_dir is touched: a setting wrong in itself,
+                   one this machine or data cannot run, an unusable out_dir or data_dir, an out_dir
+                   another run holds
     3              out of memory
     129, 130, 143  stopped by SIGHUP, SIGINT or SIGTERM after saving (128 + the signal's number)
 """
@@ -39,8 +34,7 @@ from dataclasses import asdict
 from training.config import (CHECKPOINT_NAME, EXIT_BAD_CONFIG, EXIT_ERROR, EXIT_OUT_OF_MEMORY, RESUME_NAME, ConfigError,
                              check_no_run, parse_train_config, resolve_switches)
 
-# The settings are read and checked before torch is imported (1.5 s or more), so that --help and
-# a bad setting answer at once.
+# Parsed before torch loads (1.5 s or more), so that --help and a bad setting answer at once.
 config = parse_train_config(usage=__doc__)
 
 import numpy as np
@@ -58,8 +52,7 @@ from training.profiling import OPTIMIZER_RANGE, step_profiler, stop_profiler
 from training.run_files import (RunFileError, RunLog, check_fits, load_checkpoint, out_dir_lock, restore_checkpoint,
                                 resume_point, rng_states, save_checkpoint, start_out_dir, start_wandb)
 
-# The first steps of every process pay for torch.compile, Triton's autotuning and the CUDA
-# allocator filling its caches: they are logged apart (warmup: true).
+# The first steps pay for torch.compile, autotuning and the allocator's caches: logged apart (warmup: true).
 TIMING_WARMUP_STEPS = 3
 
 
@@ -78,8 +71,8 @@ def learning_rate_at(it, config):
 
 
 class Trainer:
-    """One run. Building it checks what the machine, the checkpoint and the data allow and
-    builds the model, writing nothing; run() takes out_dir and trains."""
+    """One run: building it checks what the machine, checkpoint and data allow, writing nothing;
+    run() takes out_dir and trains."""
 
     def __init__(self, config, world):
         self.world = world
@@ -89,8 +82,7 @@ class Trainer:
         self.amp = autocast(self.device, self.dtype)
         if config.max_memory_gb:
             cap_memory(self.device, config.max_memory_gb, announce=world.is_main)
-        # Each process seeds its own streams, so dropout and batches differ between processes
-        # (DDP copies rank 0's initial weights to the others). A plain run is rank 0.
+        # Each process seeds its own streams, so that dropout and batches differ (DDP copies rank 0's weights).
         seed = config.seed + world.rank
         torch.manual_seed(seed)
         np.random.seed(seed)
@@ -155,7 +147,6 @@ class Trainer:
                 self.log.wandb_run.finish(exit_code=status)
 
     def train(self, profiler):
-        """The loop: evaluate when due, stop at a signal or at max_iters, else take a step and log it."""
         config, world = self.config, self.world
         stop = StopSignals(announce=world.is_main)
         passes = StepGraph(self.forward_backward) if config.cuda_graph else self.forward_backward
@@ -171,8 +162,7 @@ class Trainer:
             if self.iter_num >= config.max_iters:
                 return 0
             lr = learning_rate_at(self.iter_num, config)
-            # The whole optimizer step between two device synchronisations: on a GPU it ends when the
-            # GPU has finished the step's work, not when the host has issued it.
+            # Between two synchronisations: on a GPU the step ends when the GPU has done its work.
             synchronize(self.device)
             start = time.perf_counter()
             loss = self.step(passes, lr)
@@ -195,10 +185,9 @@ class Trainer:
                               f"s/iter, ETA {self.log.eta(self.iter_num, self.eval_pending)}")
 
     def step(self, passes, lr):
-        """One optimizer step (passes: forward_backward or its CUDA graph); returns the mean loss of
-        every process's micro-batches, read once a step, so that a NaN or inf stops the run before
-        the optimizer applies it. Batches are drawn here, not prefetched, so the sampler's state
-        between steps is what a checkpoint stores."""
+        """One optimizer step (passes: forward_backward or its CUDA graph); returns the mean loss,
+        read once a step so that a NaN stops the run before the optimizer applies it. Batches are
+        drawn here, not prefetched, so the sampler's state between steps is what a checkpoint stores."""
         for group in self.optimizer.param_groups:
             group["lr"] = lr
         batches = [self.batches.get("train", self.sampler) for _ in range(self.micro_steps)]
@@ -214,17 +203,15 @@ class Trainer:
 
     def forward_backward(self, batches):
         """Every micro-batch's forward and backward: leaves the gradients in .grad and returns the
-        losses' sum, unread. DDP averages the gradients in the last micro-batch's backward; the
-        ones before run under no_sync, so a step costs one all-reduce, not one per micro-batch."""
-        # None, so that the first backward writes the gradients rather than adding them to zeros (a
-        # kernel per parameter less); a captured step zeroes them in place, where its graph writes.
+        losses' sum, unread. Under DDP only the last micro-batch all-reduces (no_sync before it)."""
+        # None: the first backward writes the gradients rather than adding them to zeros; a
+        # captured step zeroes them in place, where its graph writes.
         self.optimizer.zero_grad(set_to_none=not self.config.cuda_graph)
         loss_sum = torch.zeros((), device=self.device)
         for micro_step, (x, y) in enumerate(batches):
             accumulate_only = self.world.distributed and micro_step < len(batches) - 1
             if self.config.compile:
-                # Under compile's own CUDA graphs (reduce-overhead, max-autotune) a replay reuses the memory of
-                # the previous one's outputs: this says the previous micro-batch is done with them.
+                # Under compile's own CUDA graphs a replay reuses the previous one's outputs: done with them.
                 torch.compiler.cudagraph_mark_step_begin()
             with self.train_model.no_sync() if accumulate_only else contextlib.nullcontext():
                 with self.amp:
@@ -242,9 +229,8 @@ class Trainer:
         return loss.item()
 
     def estimate_loss(self, stop):
-        """Mean loss over eval_iters batches per split, or None when a signal stopped it (checked
-        between batches). Each split's batches come from a generator seeded afresh: every
-        evaluation sees the same windows, and the training sampler is left untouched."""
+        """Mean loss over eval_iters batches per split, or None when a signal stopped it. Each split
+        draws from a generator seeded afresh: the same windows every time, training's sampler untouched."""
         config, log, start, losses = self.config, self.log, time.perf_counter(), {}
         self.model.eval()
         for n, split in enumerate(("train", "val")):
@@ -265,9 +251,8 @@ class Trainer:
         return losses
 
     def evaluate(self, stop):
-        """Rank 0 evaluates, logs and saves while the others wait at the next collective, having
-        handed it their random streams for the checkpoint. An evaluation a signal cuts short logs
-        and saves nothing and stays pending: the checkpoint saved at the signal runs it again."""
+        """Rank 0 evaluates, logs and saves while the others wait, having handed it their random
+        streams. One a signal cuts short stays pending: the checkpoint saved at the signal runs it again."""
         config, world = self.config, self.world
         rng = world.gather(rng_states(self.sampler, self.device))
         losses = self.estimate_loss(stop) if world.is_main else {}
@@ -292,8 +277,8 @@ class Trainer:
             self.save(CHECKPOINT_NAME, rng)
 
     def save(self, name, rng):
-        """A checkpoint of this iteration; rng: every process's random streams. A new ckpt.pt
-        holds the latest state, so a resume.pt older than it goes."""
+        """A checkpoint of this iteration (rng: every process's random streams); a new ckpt.pt
+        removes the older resume.pt."""
         path = os.path.join(self.config.out_dir, name)
         save_checkpoint({
             "model": self.raw_model.state_dict(), "optimizer": self.optimizer.state_dict(),
@@ -308,15 +293,13 @@ class Trainer:
         self.last_saved = (path, self.iter_num, self.eval_pending)
 
     def save_at_signal(self, signum):
-        """Rank 0 saves this iteration in resume.pt (unless a checkpoint holds it already) and
-        says how to continue; every process hands it its random streams first."""
+        """Rank 0 saves this iteration in resume.pt (unless a checkpoint holds it) and says how to continue."""
         name = signal.Signals(signum).name
         rng = self.world.gather(rng_states(self.sampler, self.device))
         if not self.world.is_main:
             return
         if self.last_saved is None or self.last_saved[1:] != (self.iter_num, self.eval_pending):
-            # The last update has not been through a loss yet (a diverging step gives a finite loss,
-            # then weights that do not): checked first, so that a signal never saves such weights.
+            # The last update has not been through a loss yet: checked, so a signal never saves diverged weights.
             self.model.eval()
             loss = self.batch_loss(*self.batches.get("val", torch.Generator().manual_seed(self.config.seed)))
             self.model.train()
@@ -334,8 +317,7 @@ class Trainer:
                              "A lower learning_rate or a smaller grad_clip may help")
 
     def log_step(self, loss, lr, step_s, warmup):
-        """Rank 0 prints and logs the last step's loss and learning rate, and the steps' mean time
-        since the last record, with the throughput, MFU and memory that follow from it."""
+        """Rank 0 prints and logs the last step's loss and lr, and the mean step time since the last record."""
         self.log.step_s = step_s
         if not self.world.is_main:
             return
@@ -363,9 +345,8 @@ class Trainer:
 
 
 def train(config, world):
-    """Build the run, then run it holding out_dir. The Trainer is freed when this returns, so
-    its DDP model, which holds the process group, goes before World.stop destroys the group
-    (freed after it, a process aborted now and then at exit under torchrun on the CPU)."""
+    """Build the run, then run it holding out_dir. The Trainer (its DDP model holds the process
+    group) is freed when this returns, before World.stop destroys the group."""
     trainer = Trainer(config, world)
     with out_dir_lock(config.out_dir) if world.is_main else contextlib.nullcontext():
         return trainer.run()
@@ -378,8 +359,7 @@ def main():
     try:
         status = train(config, world)
     except (DataError, PrepareError, RunFileError, TrainingError) as e:
-        # These meet every process alike (the same files, the same averaged loss), so rank 0
-        # speaks for all of them.
+        # These meet every process alike, so rank 0 speaks for all.
         if world.is_main:
             print(f"error: {e}", file=sys.stderr)
     except ConfigError as e:  # one the machine or the data refuses, a held out_dir, no wandb login

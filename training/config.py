@@ -1,37 +1,23 @@
-"""The scripts' settings: a typed dataclass of defaults, then config files, then --key=value.
-
-    @dataclass
-    class TrainConfig:
-        max_iters: int = 2000  # optimizer steps to train for
-        attn: str = choice("eager", BACKENDS)  # the attention backend
+"""The scripts' settings: a dataclass of typed defaults, then config files, then --key=value.
 
     config = parse_config(TrainConfig, check=check_config, usage=__doc__)   # reads sys.argv[1:]
-
     python train.py configs/tiny.py --max_iters=50 --attn=sdpa
 
-Positional arguments are config files: Python files whose top-level assignments set keys,
-applied in order. `--key=value` (or `--key value`) overrides come after all files, whatever
-their position. Every value is checked against its field's type and, for `choice` fields,
-its allowed values, so a typo stops the script at once instead of training with a default:
-one line naming the key, exit status 2. `--help` lists every key with its default and its
-meaning, which is the comment ending the key's line in the dataclass (read from the source,
-so it is written once).
-
-This module imports neither torch nor anything that does (attention, model): a script
-parses and checks its settings before torch loads (1.5 s or more), so --help and a bad
-setting answer at once. It also holds the exit statuses every script shares and train.py's
-settings (TrainConfig), which compare.py checks before it starts any run.
+Positional arguments are config files, Python whose top-level assignments set keys, applied in
+order; `--key=value` (or `--key value`) overrides come after them all. Every value is checked
+against its field's type and `choice`s, so a typo stops the script in one line (exit status 2)
+instead of training with a default. `--help` lists each key with its default and meaning: the
+comment ending the key's line in the dataclass. This module imports no torch, so --help and a
+bad setting answer at once; it also holds the exit statuses, a run's file names, and the
+scripts' settings with their checks (compare.py checks train.py's before any run).
 """
 import dataclasses
 import difflib
 import inspect
-import io
 import math
 import os
 import re
 import sys
-import textwrap
-import tokenize
 import types
 import typing
 from dataclasses import dataclass
@@ -66,9 +52,8 @@ def choice(default, choices):
 
 
 def parse_config(config_class, argv=None, check=None, usage=""):
-    """Build a `config_class` from argv (default sys.argv[1:]); exit 2 on a bad key or value.
-    `check(config)` may raise ConfigError for rules that involve several keys, reported the
-    same way. `usage` (the script's docstring) is printed by --help above the keys."""
+    """Build a `config_class` from argv (default sys.argv[1:]); exit 2 on a bad key or value, or
+    on a ConfigError from `check(config)`. --help prints `usage` above the keys."""
     argv = sys.argv[1:] if argv is None else list(argv)
     if "-h" in argv or "--help" in argv:
         print(f"{usage.strip()}\n\n{describe(config_class)}" if usage else describe(config_class))
@@ -88,8 +73,7 @@ def exit_bad_config(error):
 
 
 def join_overrides(argv):
-    """The arguments with each `--key value` pair joined into `--key=value`, as argparse users
-    expect; a `--key` with no value after it is left alone (and rejected by build_config)."""
+    """The arguments with each `--key value` pair joined into `--key=value`, as argparse users expect."""
     joined = []
     for arg in argv:
         previous = joined[-1] if joined else ""
@@ -124,8 +108,7 @@ def build_config(config_class, argv):
 
 
 def read_config_file(path):
-    """The top-level names a config file assigns (modules and _private names skipped). A file
-    that cannot run, whatever it raises (sys.exit and KeyboardInterrupt included), is a bad config."""
+    """The top-level names a config file assigns (modules and _private names skipped)."""
     try:
         with open(path, encoding="utf-8") as f:
             source = f.read()
@@ -149,13 +132,11 @@ def lookup_field(fields, key, where):
 
 
 def field_types(field):
-    """(bool, str) for a field annotated `bool | str`, else (its type,)."""
     return typing.get_args(field.type) or (field.type,)
 
 
 def parse_text(field, text, where):
-    """The value of a command-line string for a field of type bool, int, float, str, or a union
-    of them (tried in order)."""
+    """The value of a command-line string for a field of type bool, int, float, str, or a union of them."""
     for kind in field_types(field):
         if kind is bool and text.lower() in ("true", "1", "yes", "false", "0", "no"):
             return text.lower() in ("true", "1", "yes")
@@ -190,15 +171,8 @@ def type_name(field):
 
 def field_meanings(config_class):
     """{key: its one-line meaning}: the comment that ends the key's line in the class source."""
-    source = textwrap.dedent(inspect.getsource(config_class))
-    comments = {token.start[0]: token.string.lstrip("#").strip()
-                for token in tokenize.generate_tokens(io.StringIO(source).readline) if token.type == tokenize.COMMENT}
-    meanings = {}
-    for number, line in enumerate(source.splitlines(), start=1):
-        match = re.match(r"\s+(\w+)\s*:", line)
-        if match and number in comments:
-            meanings[match[1]] = comments[number]
-    return meanings
+    matches = (re.match(r"\s+(\w+)\s*:[^#]*#\s*(.*)", line) for line in inspect.getsource(config_class).splitlines())
+    return {match[1]: match[2].strip() for match in matches if match}
 
 
 def describe(config_class):
@@ -216,22 +190,19 @@ def describe(config_class):
 
 @dataclass
 class TrainConfig:
-    """The defaults are the default run (configs/shakespeare.py names it; GPTConfig's defaults
-    are its model): an 8-layer GPT on TinyShakespeare's GPT-2 tokens (11,706 of them, renumbered
-    densely by prepare.py), sized to fit a 12 GB card with every attention backend, eager
-    included. The comments above a key say why its default; the comment ending its line is its
-    meaning in --help."""
+    """The default run (configs/shakespeare.py names it; GPTConfig's defaults are its model): an
+    8-layer GPT on TinyShakespeare's 11,706 GPT-2 tokens, sized so that every backend, eager
+    included, fits a 12 GB card. A comment above a key says why its default; the one ending its
+    line is its meaning in --help."""
     # output, evaluation, checkpoints
     out_dir: str = "out-shakespeare"  # for ckpt.pt, resume.pt, metrics.jsonl, config.json; relative to the current dir
     init_from: str = choice("scratch", ("scratch", "resume"))  # resume: continue from out_dir/resume.pt (else ckpt.pt)
     overwrite: bool = False  # True: a run from scratch may replace the run in out_dir (its checkpoints and metrics)
-    # The whole run is a few hundred steps: evaluate often enough to see where val loss bottoms
-    # out. 50 batches of 4,096 tokens cover the 36k val tokens many times over.
+    # A run of a few hundred steps: evaluate often enough to see where val loss bottoms out.
     eval_interval: int = 100  # evaluate (and checkpoint) every this many iterations
     eval_iters: int = 50  # batches per split in each evaluation
     log_interval: int = 10  # print and log a line every this many iterations
-    # 19M parameters on 302k training tokens can overfit: keep the checkpoint with the best val
-    # loss rather than the latest.
+    # 19M parameters on 302k training tokens can overfit: keep the best checkpoint, not the latest.
     always_save_checkpoint: bool = False  # True: save ckpt.pt at every evaluation, not only when val loss improves
     # wandb (off by default; WANDB_MODE=offline writes a run folder for `wandb sync` instead of uploading)
     wandb_log: bool = False  # log to wandb as well
@@ -239,31 +210,24 @@ class TrainConfig:
     wandb_run_name: str = ""  # the wandb run name; "": "<attn>-<config file name>", e.g. triton-shakespeare
     # data
     data_dir: str = DEFAULT_DATA_DIR  # token files, prepared here if missing; default in the repo, a given path relative to the current dir
-    # 4 x 512 tokens per micro-batch, two micro-batches: 4,096 tokens per optimizer step. On this
-    # small corpus more, smaller steps generalised better than fewer large ones.
+    # 4,096 tokens a step: on this small corpus more, smaller steps generalised better. A
+    # 512-token context makes attention a large share of the step, while eager's scores still fit.
     batch_size: int = 4  # sequences per micro-batch, per process
     gradient_accumulation_steps: int = 2  # micro-batches per optimizer step, over all processes
-    # A 512-token context makes attention a large share of the step (its cost grows with the
-    # context, the matmuls' does not), which is what a comparison of attention backends needs,
-    # while eager's per-layer block_size^2 scores still fit a 12 GB card at this batch.
     block_size: int = 512  # context length in tokens
-    # model
-    # 12 heads of 32 dims rather than 6 of 64: the same parameters and FLOPs, but twice the
-    # block_size^2 score matrices, the work FlashAttention saves, so the backends differ more.
-    # Val loss was the same within the seed's spread.
+    # model: 12 heads of 32 dims rather than 6 of 64, the same FLOPs but twice the score matrices
+    # FlashAttention saves, so the backends differ more (val loss the same within the seed's spread).
     n_layer: int = 8  # transformer blocks
     n_head: int = 12  # attention heads; n_embd / n_head is the head dim
     n_kv_head: int = 0  # key/value heads, a divisor of n_head (grouped-query attention); 0: n_head
     n_embd: int = 384  # model width
     window: int = -1  # a sliding window: each query sees itself and this many keys before it; -1: every key before it
-    # One pass over the training data is ~74 steps of 4k tokens, so the run sees each token many
-    # times: heavy dropout and weight decay hold off memorising it.
+    # The run sees each token many times: heavy dropout and weight decay hold off memorising.
     dropout: float = 0.35  # on embeddings, residual branches and the MLP (not inside attention)
     bias: bool = False  # biases in Linear layers and LayerNorms
     attn: str = choice("eager", BACKENDS)  # the attention backend (attention.BACKENDS)
-    # optimizer and schedule: linear warmup, then cosine decay to min_lr at lr_decay_iters
-    # The learning rate decays to zero where val loss stops improving, so val loss flattens rather
-    # than climbs at the end and the last checkpoint is near the best: a longer run only memorises.
+    # Linear warmup, then cosine decay to zero where val loss stops improving, so the last
+    # checkpoint is near the best: a longer run only memorises.
     learning_rate: float = 6e-4  # peak learning rate, reached after warmup_iters
     max_iters: int = 2000  # optimizer steps to train for
     weight_decay: float = 0.5  # AdamW weight decay, on matrices only
@@ -273,12 +237,10 @@ class TrainConfig:
     warmup_iters: int = 100  # linear warmup steps
     lr_decay_iters: int = 2000  # the cosine decay reaches min_lr here
     min_lr: float = 0.0  # the final learning rate
-    # system
+    # system. On a GPU the host issuing hundreds of small kernels sets the pace unless the step
+    # is compiled and replayed from a graph, so both are on there; on the CPU they gain nothing.
     device: str = choice("auto", ("auto", "cpu", "cuda"))  # auto: cuda if torch sees a GPU, else cpu
     dtype: str = choice("auto", ("auto", "float32", "bfloat16", "float16"))  # auto: bf16 autocast on GPUs that have it, else fp16; fp32 on the CPU
-    # On a GPU a step of the default model is hundreds of small kernels, each issued from Python:
-    # the host, not the GPU, sets the pace unless the step is compiled and replayed from a graph,
-    # so both are on there, as nanoGPT compiles by default. On the CPU they gain nothing.
     compile: bool | str = choice("auto", AUTO)  # torch.compile the model; auto: on where CUDA is the device
     compile_mode: str = choice("default", COMPILE_MODES)  # torch.compile's mode; reduce-overhead, max-autotune: CUDA graphs of their own
     cuda_graph: bool | str = choice("auto", AUTO)  # replay each step's forward and backward from one CUDA graph; auto: on where CUDA is the device, off with profile, torchrun or a compile_mode that captures graphs itself
@@ -290,15 +252,13 @@ class TrainConfig:
         """The GPTConfig of the model these settings train, over vocab_size token ids."""
         from model import GPTConfig  # here, not at the top: this module loads without torch
 
-        return GPTConfig(block_size=self.block_size, vocab_size=vocab_size, n_layer=self.n_layer, n_head=self.n_head,
-                         n_kv_head=self.n_kv_head, n_embd=self.n_embd, window=self.window, dropout=self.dropout,
-                         bias=self.bias, attn=self.attn)
+        shared = [f.name for f in dataclasses.fields(GPTConfig) if f.name != "vocab_size"]
+        return GPTConfig(vocab_size=vocab_size, **{name: getattr(self, name) for name in shared})
 
 
 def parse_train_config(usage):
-    """train.py's settings from its arguments, checked (check_config, check_paths), with the
-    default wandb run name filled in: "<attn>-<config files>", e.g. triton-shakespeare (the
-    defaults are configs/shakespeare.py's). Exits 2 on a bad setting."""
+    """train.py's settings from its arguments, checked, with the default wandb run name filled in:
+    "<attn>-<config files>", e.g. triton-shakespeare. Exits 2 on a bad setting."""
     world_size = int(os.environ.get("WORLD_SIZE", 1))  # the processes torchrun started
     config = parse_config(TrainConfig, check=lambda c: (check_config(c, world_size), check_paths(c)), usage=usage)
     files = "+".join(os.path.splitext(os.path.basename(path))[0] for path in config_files(sys.argv[1:]))
@@ -307,8 +267,7 @@ def parse_train_config(usage):
 
 
 def check_config(config, world_size=1):
-    """Raise ConfigError for the first rule `config` breaks; world_size is the number of
-    training processes (torchrun's WORLD_SIZE), which must divide the accumulation steps."""
+    """Raise ConfigError for the first rule `config` breaks; world_size: torchrun's processes."""
     graph_conflicts = cuda_graph_conflicts(config, config.compile is not False, world_size)
     rules = [
         ("max_iters", config.max_iters >= 0, "an int >= 0"),
@@ -347,10 +306,15 @@ def check_config(config, world_size=1):
         ("seed", 0 <= config.seed <= MAX_SEED - (world_size - 1),
          f"an int in [0, {MAX_SEED - (world_size - 1)}] (numpy's seed range; process r of {world_size} uses seed + r)"),
     ]
+    first_broken(config, rules)
+    check_attn_head_dim(config.attn, config.n_embd, config.n_head)
+
+
+def first_broken(config, rules):
+    """Raise ConfigError for the first (key, ok, expected) rule that is not ok."""
     for key, ok, expected in rules:
         if not ok:
             raise ConfigError(f"{key}={getattr(config, key)!r}: expected {expected}")
-    check_attn_head_dim(config.attn, config.n_embd, config.n_head)
 
 
 def cuda_graph_conflicts(config, compiled, world_size):
@@ -367,8 +331,8 @@ def cuda_graph_conflicts(config, compiled, world_size):
 
 
 def resolve_switches(config, device_type, world_size=1):
-    """config with compile and cuda_graph decided: "auto" is on where the device is CUDA, and
-    the graph quietly yields to what it cannot capture (check_config refuses an explicit True)."""
+    """config with compile and cuda_graph decided: "auto" is on where the device is CUDA; the
+    graph quietly yields to what it cannot capture (check_config refuses an explicit True)."""
     compiled = device_type == "cuda" if config.compile == "auto" else config.compile
     cuda_graph = config.cuda_graph
     if cuda_graph == "auto":
@@ -388,9 +352,7 @@ def check_attn_head_dim(attn, n_embd, n_head):
 
 
 def check_paths(config):
-    """Refuse an out_dir or data_dir this run cannot use, before anything is made: a file where
-    a folder should be, a folder that cannot be made or written, a run's file that is not a
-    file, or a run that a run from scratch would replace (check_no_run)."""
+    """Refuse an out_dir or data_dir this run cannot use, before anything is made."""
     check_folder("out_dir", config.out_dir, writable=True)
     data_files = [os.path.join(config.data_dir, name) for name in ("meta.json", "train.bin", "val.bin")]
     check_folder("data_dir", config.data_dir, writable=not all(map(os.path.isfile, data_files)))
@@ -417,9 +379,8 @@ def check_folder(key, path, writable):
 
 
 def check_no_run(config):
-    """A run from scratch replaces no run in out_dir (checkpoints, logged metrics) unless
-    overwrite=True. Checked with the settings, and again by train.py under out_dir's lock,
-    where no other run can write one meanwhile."""
+    """A run from scratch replaces no run in out_dir unless overwrite=True. Checked with the
+    settings, and again by train.py under out_dir's lock, where no other run can write one."""
     metrics = os.path.join(config.out_dir, METRICS_NAME)
     held = ([name for name in (CHECKPOINT_NAME, RESUME_NAME) if os.path.exists(os.path.join(config.out_dir, name))]
             + ([METRICS_NAME] if os.path.isfile(metrics) and os.path.getsize(metrics) else []))
@@ -429,9 +390,8 @@ def check_no_run(config):
                           "or pick another out_dir")
 
 
-# Sampling divides the logits by the temperature. Much below this, logits / temperature
-# overflows (float16 logits under autocast pass 65504 once |logit| > 655 here) and the
-# softmax turns NaN; and by then sampling is greedy in effect, which --top_k=1 does exactly.
+# Much below this, logits / temperature overflows float16 (|logit| > 655) and the softmax turns
+# NaN; sampling is greedy in effect by then, which --top_k=1 does exactly.
 MIN_TEMPERATURE = 0.01
 
 
@@ -475,6 +435,4 @@ def check_sample_config(config):
         ("window", config.init_from == "random" or config.window == -1,
          "-1 with a checkpoint, whose model has its own (it shapes a random-init model)"),
     ]
-    for key, ok, expected in rules:
-        if not ok:
-            raise ConfigError(f"{key}={getattr(config, key)!r}: expected {expected}")
+    first_broken(config, rules)

@@ -2,10 +2,8 @@
 the signals that stop a run, and the training step as one CUDA graph.
 
 `device=auto` and `dtype=auto` mean the same in every script: the GPU when there is one, bf16
-autocast on GPUs that support it, fp16 (with a gradient scaler, see train.py) on older ones,
-and plain fp32 on the CPU. A setting this machine cannot run is a ConfigError (exit 2), like
-any other bad setting. Generation in bf16 casts the weights instead of autocasting
-(generation_precision).
+autocast where it supports it, else fp16, and fp32 on the CPU. A setting this machine cannot
+run is a ConfigError (exit 2), like any other bad setting.
 """
 import contextlib
 import os
@@ -18,9 +16,8 @@ import torch.distributed as dist
 
 from training.config import ConfigError
 
-# Dense bf16 tensor-core throughput with fp32 accumulation, from NVIDIA's datasheets.
-# MFU (model FLOPs utilisation) is measured against it. Matched against
-# torch.cuda.get_device_name() in order, so the more specific names come first.
+# Dense bf16 tensor-core FLOP/s (NVIDIA's datasheets), which MFU is measured against; matched
+# against the device name in order, so the more specific names come first.
 PEAK_BF16_FLOPS = (
     ("rtx 4070 super", 71e12),
     ("rtx 4090", 165e12),
@@ -30,14 +27,12 @@ PEAK_BF16_FLOPS = (
     ("h200", 989e12),
 )
 # Below this many FLOP a call (a micro-batch's forward and backward, a decoded token) is too
-# small to share among cores: on 2 cores configs/tiny.py's step (2.7 GFLOP) took about 55 ms with
-# 2 threads and 65-95 ms with 1 on a quiet machine, but 350-1,400 ms with 2 threads while another
-# process kept a core busy (torch's threads spin waiting for each other), and 55-95 ms with 1.
+# small to share among cores: on 2 cores configs/tiny.py's step (2.7 GFLOP) took 55 ms with 2
+# threads and 65-95 ms with 1, but 350-1,400 ms with 2 while another process kept a core busy.
 ONE_THREAD_FLOP = 1e10
 
 
 def pick_device(name):
-    """'auto' | 'cpu' | 'cuda' -> torch.device."""
     if name == "auto":
         name = "cuda" if torch.cuda.is_available() else "cpu"
     if name == "cuda" and not torch.cuda.is_available():
@@ -59,8 +54,8 @@ def pick_dtype(name, device):
 
 
 def choose_cpu_threads(flop_per_call, processes=1):
-    """Set torch's CPU threads for work that comes in calls of flop_per_call FLOP, unless
-    OMP_NUM_THREADS chose; returns the line that says what was chosen and why."""
+    """Set torch's CPU threads for calls of flop_per_call FLOP, unless OMP_NUM_THREADS chose;
+    returns the line that says what was chosen and why."""
     cores = len(os.sched_getaffinity(0))
     if "OMP_NUM_THREADS" in os.environ:
         return f"CPU threads: {torch.get_num_threads()} of {cores} cores (OMP_NUM_THREADS)"
@@ -74,8 +69,7 @@ def choose_cpu_threads(flop_per_call, processes=1):
 
 
 def warn_if_sized_for_a_gpu(flop_per_iter):
-    """A one-line warning for a run sized for a GPU on the CPU, which does some 1e10-1e11
-    FLOP/s in training: past 1e11 FLOP an iteration takes seconds to minutes."""
+    """Warn of a run sized for a GPU on the CPU (1e10-1e11 FLOP/s): iterations of minutes."""
     if flop_per_iter > 1e11:
         print(f"warning: this config is sized for a GPU ({flop_per_iter / 1e12:.1f} TFLOP per iteration) and runs on the "
               "CPU, where each iteration and evaluation batch may take minutes; configs/tiny.py is sized for a CPU "
@@ -84,23 +78,14 @@ def warn_if_sized_for_a_gpu(flop_per_iter):
 
 def autocast(device, dtype):
     """Mixed precision for the forward pass; weights and optimizer state stay fp32."""
-    if dtype == torch.float32:
-        return contextlib.nullcontext()
-    return torch.autocast(device_type=device.type, dtype=dtype)
+    return contextlib.nullcontext() if dtype == torch.float32 else torch.autocast(device.type, dtype=dtype)
 
 
 def generation_precision(model, device, dtype):
-    """Put model (fp32, on device, before its first generate) in the precision it generates
-    in, and return the context to call model.generate under (reusable, one `with` at a time).
-    bfloat16: the weights themselves become bf16, cast once here, and generation runs without
-    autocast. Under autocast every token would cast every weight from fp32 again, as the
-    decoder's CUDA graph cannot keep autocast's cache of cast weights (StaticDecoder.capture):
-    a read of 4 bytes and a write of 2 per parameter, and a cast kernel per weight, at every
-    token. bf16 has fp32's exponent range, so the residual stream and the logits in bf16
-    overflow only where fp32 would. float16 tops out at 65504: there the weights stay fp32 under
-    autocast, which keeps the embeddings, the residual stream and the LayerNorms in fp32 and
-    rounds only matmul outputs to fp16, as in training (GPUs without bf16 pay the casts).
-    float32: nothing to do."""
+    """Put model (fp32, on device) in the precision it generates in; returns the context to call
+    model.generate under. bfloat16 casts the weights once: under autocast every token would cast
+    every weight again, as the decoder's CUDA graph cannot keep autocast's cache, and bf16 has
+    fp32's range. float16 overflows past 65504, so its weights stay fp32 under autocast."""
     if dtype == torch.bfloat16:
         model.to(dtype)
         return contextlib.nullcontext()
@@ -108,30 +93,25 @@ def generation_precision(model, device, dtype):
 
 
 def synchronize(device):
-    """Wait for queued GPU work, so a wall-clock reading covers the work itself."""
+    """Wait for queued GPU work, so that a wall-clock reading covers the work itself."""
     if device.type == "cuda":
         torch.cuda.synchronize(device)
 
 
 def peak_flops(device):
     """The card's dense bf16 peak in FLOP/s, or None when the device is not in the table."""
-    if device.type != "cuda":
-        return None
-    name = torch.cuda.get_device_name(device).lower()
-    return next((flops for key, flops in PEAK_BF16_FLOPS if key in name), None)
+    name = torch.cuda.get_device_name(device).lower() if device.type == "cuda" else ""
+    return next((flops for key, flops in PEAK_BF16_FLOPS if name and key in name), None)
 
 
 def peak_memory_mb(device):
     """Most GPU memory torch has held since the start (None on the CPU)."""
-    if device.type != "cuda":
-        return None
-    return torch.cuda.max_memory_allocated(device) / 2**20
+    return torch.cuda.max_memory_allocated(device) / 2**20 if device.type == "cuda" else None
 
 
 def cap_memory(device, max_gb, announce):
-    """Let torch's CUDA allocator hold at most max_gb GiB on `device`, so a big card runs out
-    of memory where a smaller one would (an H200 acting as a 12 GB card). The CUDA context and
-    anything allocated outside torch are not counted."""
+    """Let torch's CUDA allocator hold at most max_gb GiB on `device`, so that a big card runs out
+    of memory where a smaller one would (the CUDA context is not counted)."""
     if device.type != "cuda":
         raise ConfigError(f"max_memory_gb={max_gb:g} caps CUDA memory, but the device is {device.type}; "
                           "leave max_memory_gb at 0 there")
@@ -160,11 +140,9 @@ def out_of_memory_message(config, world):
 
 
 class World:
-    """This process's place among the training processes torchrun starts (one per GPU, or
-    several on the CPU), and what they do together. torchrun gives each process RANK,
-    LOCAL_RANK (its index on this machine, which picks its GPU) and WORLD_SIZE. A process
-    started without torchrun is rank 0 of 1, and every method below does nothing or returns
-    its own value, so train.py has one code path."""
+    """This process's place among the processes torchrun starts (one per GPU, or several on the
+    CPU) and what they do together. Without torchrun it is rank 0 of 1, and every method does
+    nothing or returns its own value, so train.py has one code path."""
 
     def __init__(self):
         self.distributed = "RANK" in os.environ
@@ -220,19 +198,14 @@ class World:
 
 
 class StopSignals:
-    """SIGINT (Ctrl-C), SIGTERM (`kill`, job schedulers) and SIGHUP (a closed terminal or ssh
-    session) ask train.py to stop at the next iteration boundary, the one point where model,
-    optimizer and random streams agree, so the checkpoint saved there resumes exactly; an
-    evaluation in progress stops after its current batch. A second signal stops the process at
-    once without saving (the checkpoints on disk are intact either way), with exit status
-    128 + its number.
+    """SIGINT, SIGTERM and SIGHUP ask train.py to stop at the next iteration boundary, where
+    model, optimizer and random streams agree, so the checkpoint saved there resumes exactly.
+    A second signal stops the process at once without saving, exit status 128 + its number.
 
-    Python runs a signal handler in the main thread between bytecodes, so two signals that
-    arrive during one long torch call would run it once. Python's C-level handler also writes
-    one byte per signal to the wakeup fd, whatever the main thread is doing; a thread counts
-    those bytes and stops the process at the second, so no signal is lost and a stuck main
-    thread does not delay the stop. Under torchrun, signal torchrun: it passes the signal on to
-    every process, and they agree on the iteration to stop at."""
+    Python runs handlers in the main thread between bytecodes, so two signals during one long
+    torch call would run one; its C-level handler also writes a byte per signal to the wakeup
+    fd, which a thread counts, so no signal is lost and a stuck main thread cannot delay the
+    stop. Under torchrun, signal torchrun: it passes the signal on to every process."""
 
     SIGNALS = (signal.SIGINT, signal.SIGTERM, signal.SIGHUP)
 
@@ -265,29 +238,20 @@ class StopSignals:
 
 
 class StepGraph:
-    """A training step's forward and backward passes as one CUDA graph (train.py's cuda_graph).
-    Each micro-batch of the default model is several hundred small kernels, which PyTorch
-    issues one by one from Python; on a slow or busy host that takes longer than the GPU takes
-    to run them, so the host sets the pace. A graph records the kernels once, and every later
-    step launches them all with one call.
+    """A training step's forward and backward as one CUDA graph (train.py's cuda_graph): the
+    default model's hundreds of small kernels, issued one by one from Python, let the host set
+    the pace; a graph launches them all with one call.
 
-    Calls forward_backward(batches) -> loss-sum tensor, which also leaves the step's gradients
-    in .grad (it zeroes them in place first: the graph writes them where the last step left
-    them, so nothing may set them to None). The optimizer stays outside, so train.py still reads
-    the loss and skips a step whose loss is not finite. Capture needs fixed addresses and no
-    host work inside the step: the first call runs uncaptured on a side stream, as torch's
-    CUDA-graph docs ask (it compiles, tunes the Triton kernels and sets up cuBLAS); the second
-    captures and replays; later calls copy their batches into the captured ones and replay.
-    Every call's batches must have the first call's shapes and dtypes. Dropout draws new
-    numbers at every replay: capture registers torch's CUDA generator, and each replay moves
-    its offset on."""
+    forward_backward(batches) returns the loss sum and leaves the gradients in .grad, zeroed in
+    place (the graph writes them where the last step left them); the optimizer stays outside,
+    so train.py still skips a step whose loss is not finite. The first call runs uncaptured on a
+    side stream (it compiles and tunes), the second captures and replays, later ones copy their
+    batches (of the first call's shapes) into the captured ones and replay. Dropout draws new
+    numbers at every replay (capture registers torch's CUDA generator)."""
 
     def __init__(self, forward_backward):
         self.forward_backward = forward_backward
-        self.warmed_up = False
-        self.graph = None
-        self.static_batches = None
-        self.static_loss_sum = None
+        self.warmed_up, self.graph, self.static_batches, self.static_loss_sum = False, None, None, None
 
     def __call__(self, batches):
         if not self.warmed_up:

@@ -1,24 +1,15 @@
-"""Where a training step's time goes: torch.profiler over a few steady-state steps, the
-device time sorted into the parts of a GPT step, and what attention keeps in memory.
+"""Where a training step's time goes: torch.profiler over a few steady steps, the device time
+sorted into the parts of a GPT step, and what attention keeps in memory. train.py
+--profile=True writes out_dir/profile.json (and profile_trace.json for Perfetto); compare.py
+--profile=True draws every backend's side by side.
 
-train.py --profile=True profiles PROFILE_STEPS steps right after its timing warm-up and
-writes out_dir/profile.json (and profile_trace.json, for chrome://tracing or Perfetto);
-compare.py --profile=True does so for every backend and draws the parts side by side.
-
-Every GPU kernel (on the CPU: every op's own CPU time) goes to one category:
-  attention forward    launched inside model.py's "attention" range (model.labelled)
-  attention backward   launched by an autograd node that a forward op in that range made
-                       (autograd tags both with the same sequence number)
-  output layer + loss  the same, for the "output layer + loss" range (lm_head, cross-entropy)
-  optimizer            train.py's "optimizer" range: gradient clipping and AdamW
-  matmuls              any other matmul (aten::mm, addmm, bmm, ...): the transformer's layers
-  everything else      layer norms, GELU, dropout, residual adds, embeddings, copies
-  idle                 the step's wall time the device spent idle: waiting for the host to
-                       launch work (on the CPU: time outside any torch op, Python itself)
-Compiled code hides the ranges from the profiler in places, so kernels that fall through
-are sorted by name: attention kernels (flash/fmha/attn) and matmul kernels (gemm, mm
-templates); a fused kernel that mixes attention with other work counts as everything else.
+Each GPU kernel (on the CPU, each op's own time) goes to a category: attention forward (inside
+model.py's "attention" range), attention backward (run by an autograd node that a forward op
+in that range made: both carry its sequence number), output layer + loss and optimizer (their
+ranges, likewise), matmuls (any other), everything else, and idle (the step's wall time with
+nothing running). Compiled code hides the ranges in places: those kernels are sorted by name.
 """
+import contextlib
 import json
 import os
 import sys
@@ -36,9 +27,8 @@ PROFILE_NAME = "profile.json"
 TRACE_NAME = "profile_trace.json"
 CATEGORIES = ("attention forward", "attention backward", "matmuls", "output layer + loss", "optimizer",
               "everything else", "idle")
-# model.py's and train.py's ranges -> the category of their forward work and of its backward
 OPTIMIZER_RANGE = "optimizer"  # train.py's
-RANGES = {
+RANGES = {  # model.py's and train.py's ranges -> the category of their forward work and of its backward
     ATTENTION_RANGE: ("attention forward", "attention backward"),
     OUTPUT_RANGE: ("output layer + loss", "output layer + loss"),
     OPTIMIZER_RANGE: ("optimizer", "optimizer"),
@@ -50,10 +40,8 @@ BACKWARD_NODE = "autograd::engine::evaluate_function: "
 
 def step_profiler(out_dir, skip_steps, model, batch, amp, **labels):
     """A started torch.profiler that skips skip_steps steps, warms up on one and records
-    PROFILE_STEPS; call .step() after every training step. When the recorded steps end, it
-    writes their category times (see attribute) to out_dir/profile.json with `labels`, the peak
-    memory and what attention saves for backward (of model on batch, under amp), says so in a
-    line, and writes the trace."""
+    PROFILE_STEPS (call .step() after each step), then writes profile.json: their category
+    times, `labels`, the peak memory and what attention saves (of model on batch, under amp)."""
     activities = [ProfilerActivity.CPU] + ([ProfilerActivity.CUDA] if torch.cuda.is_available() else [])
 
     def ready(prof):
@@ -79,8 +67,7 @@ def ancestors(event):
 
 
 def attribute(events):
-    """{"device": "cuda" | "cpu", "steps": n, "step_ms": wall time per step,
-    "ms": {category: ms per step}} from the events of a profile over n steps."""
+    """{"device", "steps": n, "step_ms": wall time per step, "ms": {category: ms per step}}."""
     cpu_events = [e for e in events if e.device_type == DeviceType.CPU]
     device_events = [e for e in events if e.device_type == DeviceType.CUDA]
     steps = [e for e in cpu_events if e.name.startswith("ProfilerStep")]
@@ -111,8 +98,7 @@ def attribute(events):
 
     us = dict.fromkeys(CATEGORIES, 0.0)
     if device_events:
-        # torch links each kernel to the op that launched it in that op's .kernels (every torch
-        # version; the kernel events' own link back, linked_correlation_id, is newer than 2.11).
+        # Each kernel from the op that launched it (op.kernels: linked_correlation_id is newer than 2.11).
         kernel_names = set()
         for op in (e for e in cpu_events if e.kernels):
             op_category = category_of_op(op)
@@ -120,8 +106,7 @@ def attribute(events):
                 category = op_category if op_category != "everything else" else category_of_kernel_name(kernel.name)
                 us[category] += kernel.duration
                 kernel_names.add(kernel.name)
-        # Busy time from the kernels alone: the device events also hold GPU-side copies of the
-        # user ranges (each ProfilerStep, "attention", ...), which span whole steps.
+        # Busy time from the kernels alone: the device events also hold the ranges, spanning whole steps.
         kernels = [e for e in device_events if e.name in kernel_names]
         busy_us = union_us([(k.time_range.start, k.time_range.end) for k in kernels],
                            [(s.time_range.start, s.time_range.end) for s in steps])
@@ -137,9 +122,8 @@ def attribute(events):
             "ms": {category: value / len(steps) / 1000 for category, value in us.items()}}
 
 
-# Kernel names, for kernels no range reaches: torch's flash, memory-efficient and cuDNN
-# attention (flash_bwd..., fmha_cutlassB..., ..._sdpa_..._bprop...) and this repo's
-# (_attn_fwd, _attn_bwd_delta, _attn_bwd).
+# For kernels no range reaches: torch's flash, memory-efficient and cuDNN attention
+# (flash_bwd..., fmha_cutlassB..., ..._sdpa_..._bprop...) and this repo's (_attn_fwd, _attn_bwd).
 ATTENTION_KERNEL_WORDS = ("flash", "fmha", "attn", "attention", "sdpa")
 BACKWARD_KERNEL_WORDS = ("bwd", "backward", "bprop", "cutlassb")
 
@@ -166,10 +150,8 @@ def union_us(intervals, windows):
 
 
 def attention_saved_mb(model, x, y, amp):
-    """MB of tensors attention keeps for its backward pass in one forward of (x, y): those
-    saved between each block's qkv projection and its output projection, counted once per
-    storage. Run on the uncompiled model, with the random streams put back afterwards, so
-    it changes nothing for the run that asks."""
+    """MB of tensors attention keeps for backward in one forward of (x, y): those saved between
+    each block's qkv and output projections, once per storage. The random streams are put back."""
     saved, counting = {}, [False]
 
     def pack(tensor):
@@ -215,7 +197,7 @@ def stop_profiler(profiler, out_dir, skip_steps):
 def remove_profile(out_dir):
     """Delete a profile an earlier run left in out_dir, so any profile there is this run's."""
     for name in (PROFILE_NAME, TRACE_NAME):
-        if os.path.exists(os.path.join(out_dir, name)):
+        with contextlib.suppress(FileNotFoundError):
             os.remove(os.path.join(out_dir, name))
 
 

@@ -1,26 +1,18 @@
 """What a training run keeps in its out_dir (and sends to wandb), checked when read, written
 whole or not at all.
 
-    ckpt.pt        the best checkpoint by val loss (every evaluation's with always_save_checkpoint):
-                   weights, optimizer, random streams; what sample.py reads
-    resume.pt      the same, saved where a signal stopped the run, when ckpt.pt does not hold that
-                   iteration; --init_from=resume continues from it, or from ckpt.pt without one,
-                   so a signal never replaces the best checkpoint
-    config.json    the run's settings and what they resolved to (device, dtype, processes,
-                   parameter count, tokens per iteration), as logged to wandb
-    metrics.jsonl  one JSON object a line. Log records (LOG_KEYS): iter, loss, lr, step_ms,
-                   tokens_per_s, mfu, peak_mem_mb, warmup. Evaluation records (EVAL_KEYS): iter,
-                   train_loss, val_loss (nats per token), val_bpc (val bits per character)
+    ckpt.pt        the best checkpoint by val loss: weights, optimizer, random streams; what
+                   sample.py reads
+    resume.pt      the same, saved where a signal stopped the run, never over ckpt.pt;
+                   --init_from=resume continues from it, else from ckpt.pt
+    config.json    the run's settings and what they resolved to, as logged to wandb
+    metrics.jsonl  one JSON record a line: log records (LOG_KEYS) and evaluations (EVAL_KEYS;
+                   losses in nats per token, val_bpc in bits per character)
 
-RunLog writes the records, and the log lines on stdout that end with an ETA.
-
-Checkpoints and a reset metrics.jsonl are written atomically (prepare.write_atomically): a
-process killed at any moment leaves the previous complete file or the new one. Rank 0 alone
-writes, holding a lock on out_dir (out_dir_lock) for the whole run, so two runs never share
-one. A write that fails (a full disk) or a file that cannot be used is a RunFileError whose
-message is one line. Checkpoints hold only tensors and plain Python values, so they load with
-torch.load(weights_only=True), which cannot run code hidden in a tampered file; every entry is
-checked before anything trusts it (check_checkpoint).
+Checkpoints and a reset metrics.jsonl are written atomically (prepare.write_atomically). Rank 0
+alone writes, holding out_dir's lock for the whole run. A failed write or an unusable file is a
+one-line RunFileError. Checkpoints hold only tensors and plain values, so they load with
+weights_only=True, and every entry is checked before anything trusts it (check_checkpoint).
 """
 import contextlib
 import dataclasses
@@ -54,9 +46,8 @@ class RunFileError(RuntimeError):
 
 @contextlib.contextmanager
 def out_dir_lock(out_dir):
-    """Make out_dir and hold it for this run: a second run on it is refused (exit 2) rather
-    than interleaving its metrics and checkpoints with this one's. The lock is flock on the
-    folder, which the OS releases however the process ends."""
+    """Make out_dir and hold it for this run: a second run on it is refused (exit 2) rather than
+    interleaving its files with this one's. flock, which the OS releases however the process ends."""
     os.makedirs(out_dir, exist_ok=True)
     with contextlib.ExitStack() as stack:
         try:
@@ -67,35 +58,33 @@ def out_dir_lock(out_dir):
         yield
 
 
-def write_error(path, error, left="free some space and run again"):
-    """A RunFileError saying in one line that `path` could not be written, and what to do."""
-    reason = (error.strerror if isinstance(error, OSError) and error.strerror
-              else str(error).strip().splitlines()[0])
-    free_mb = shutil.disk_usage(os.path.dirname(path) or ".").free / 2**20
-    return RunFileError(f"could not write {path} ({reason}; {free_mb:,.0f} MB free on its disk); {left}")
+@contextlib.contextmanager
+def writing(path, left="free some space and run again", errors=(OSError,)):
+    """Turn a failed write of `path` into a RunFileError saying in one line what to do."""
+    try:
+        yield
+    except errors as e:
+        reason = e.strerror if isinstance(e, OSError) and e.strerror else str(e).strip().splitlines()[0]
+        free_mb = shutil.disk_usage(os.path.dirname(path) or ".").free / 2**20
+        raise RunFileError(f"could not write {path} ({reason}; {free_mb:,.0f} MB free on its disk); {left}") from None
 
 
 def save_checkpoint(state, path):
-    try:
+    # torch.save reports a failed write as a RuntimeError ("enforce fail at inline_container.cc").
+    with writing(path, "the partial file was removed and the previous checkpoint, if any, is intact; free some "
+                       "space, then continue with --init_from=resume", (OSError, RuntimeError)):
         with write_atomically(path) as f:
             torch.save(state, f)
-    # torch.save reports a failed write as a RuntimeError ("enforce fail at
-    # inline_container.cc"), flush and fsync as an OSError.
-    except (OSError, RuntimeError) as e:
-        raise write_error(path, e, "the partial file was removed and the previous checkpoint, if any, is intact; "
-                                   "free some space, then continue with --init_from=resume") from None
 
 
 def resume_point(out_dir):
-    """The checkpoint --init_from=resume continues from: resume.pt where a signal left one
-    (it is removed whenever a later ckpt.pt is saved), else ckpt.pt."""
+    """The checkpoint --init_from=resume continues from: resume.pt where a signal left one, else ckpt.pt."""
     path = os.path.join(out_dir, RESUME_NAME)
     return path if os.path.exists(path) else os.path.join(out_dir, CHECKPOINT_NAME)
 
 
 def load_checkpoint(path, resume=False):
-    """The checkpoint at path, loaded to the CPU (load_state_dict moves tensors to the model's
-    device) and checked entry by entry; resume=True asks for everything training needs too."""
+    """The checkpoint at path, loaded to the CPU and checked; resume=True asks for what training needs too."""
     if not os.path.exists(path):
         raise RunFileError(f"no checkpoint at {path}: train one first, or check out_dir")
     try:
@@ -131,15 +120,13 @@ def check_checkpoint(state, path, resume):
 
 def expect(ok, value, expected):
     """None when ok, else what was wrong: "is <value>, expected <expected>"."""
-    if ok:
-        return None
     text = repr(value)
-    return f"is {text if len(text) <= 60 else text[:60] + '...'}, expected {expected}"
+    return None if ok else f"is {text if len(text) <= 60 else text[:60] + '...'}, expected {expected}"
 
 
 def check_model_args(args):
-    """Every field is GPTConfig's (dataclasses.fields: fields added since are filled in with
-    their defaults), of its type, with a value a model can be built with, and attn is a backend."""
+    """Every field is GPTConfig's (one added since takes its default), of its type and a value a
+    model can have, and attn is a backend."""
     if not isinstance(args, dict):
         return expect(False, args, "a dict of GPTConfig fields")
     fields = {field.name: field for field in dataclasses.fields(GPTConfig)}
@@ -161,8 +148,7 @@ def check_model_args(args):
 
 
 def check_rng(states):
-    """One dict of random states per process that saved it, each of which sets its stream
-    (tried on generators of their own, so nothing of this process's changes)."""
+    """One dict of random states per process that saved it, each tried on a generator of its own."""
     if not isinstance(states, list) or not states:
         return expect(False, states, "a list with one set of random states per process")
     for rank, state in enumerate(states):
@@ -205,8 +191,8 @@ CHECKS = {
 
 
 def check_fits(ckpt, path, model_args, gpt2_ids, data_dir):
-    """Refuse to resume a checkpoint into a model of another shape (dropout and attn may change
-    between runs), or on data whose token ids mean other GPT-2 tokens: one line naming the values."""
+    """Refuse to resume into a model of another shape (dropout and attn may change), or on data
+    whose token ids mean other GPT-2 tokens."""
     shape_keys = ("n_layer", "n_head", "n_kv_head", "n_embd", "block_size", "bias", "vocab_size")
     saved = dataclasses.asdict(GPTConfig(**ckpt["model_args"]))  # fields it lacks take their defaults
     differences = [f"{key}={saved[key]!r} there, {getattr(model_args, key)!r} here"
@@ -223,8 +209,7 @@ def check_fits(ckpt, path, model_args, gpt2_ids, data_dir):
 
 
 def restore_checkpoint(ckpt, path, model, optimizer, scaler, sampler, device, world):
-    """Load a checkpoint into the model, optimizer, gradient scaler and this process's random
-    streams (rng holds one entry per process of the run that saved it); rank 0 says so."""
+    """Load a checkpoint into the model, optimizer, scaler and this process's random streams."""
     saved_rng = ckpt["rng"]
     try:
         model.load_state_dict(ckpt["model"])
@@ -248,13 +233,11 @@ def numpy_state(saved):
 
 
 def rng_states(sampler, device):
-    """Every random stream a training step reads, so a resumed run draws the same numbers.
-    Plain values and CPU tensors only, so the checkpoint loads with weights_only=True."""
+    """Every random stream a training step reads, as plain values and CPU tensors (weights_only=True)."""
     name, key, pos, has_gauss, gauss = np.random.get_state()
     return {
         "torch": torch.get_rng_state(),  # dropout on the CPU
-        # Dropout on this process's GPU; only its own, as asking for every GPU's state would
-        # start a CUDA context on each of them from every process.
+        # Dropout on this process's GPU only: every GPU's state would start a context on each.
         "cuda": torch.cuda.get_rng_state(device) if device.type == "cuda" else None,
         "numpy": (name, torch.from_numpy(key.astype(np.int64)), pos, has_gauss, gauss),
         "python": random.getstate(),
@@ -263,7 +246,6 @@ def rng_states(sampler, device):
 
 
 def restore_rng_states(states, sampler, device):
-    """Set every stream back to what rng_states saved."""
     torch.set_rng_state(states["torch"])
     if states["cuda"] is not None and device.type == "cuda":
         torch.cuda.set_rng_state(states["cuda"], device)
@@ -273,10 +255,9 @@ def restore_rng_states(states, sampler, device):
 
 
 def start_out_dir(out_dir, run_config, resumed_at, eval_pending):
-    """Make out_dir this run's (rank 0, under out_dir_lock). A run from scratch (resumed_at
-    None) finds no run there, or removes it (overwrite=True). A resumed run keeps the metrics up
-    to its checkpoint's iteration, less that iteration's evaluation if it is to run again.
-    config.json describes this run, and any profile.json will be its."""
+    """Make out_dir this run's (rank 0, under its lock): a run from scratch (resumed_at None)
+    removes the checkpoints there; a resumed run keeps the metrics up to its checkpoint's
+    iteration, less that iteration's evaluation if it is to run again."""
     if resumed_at is None:
         for name in (CHECKPOINT_NAME, RESUME_NAME):
             with contextlib.suppress(FileNotFoundError):
@@ -289,10 +270,8 @@ def start_out_dir(out_dir, run_config, resumed_at, eval_pending):
 
 
 def start_wandb(config, run_config, run_id):
-    """A wandb run logging what metrics.jsonl gets, or None when wandb cannot be imported: then
-    a one-line warning, and training goes on with the local metrics. run_id: the wandb run a
-    resumed run continues (its checkpoint keeps the id), or None for a new one. Its folder is
-    out_dir/wandb/; with WANDB_MODE=offline it stays there until `wandb sync` uploads it."""
+    """A wandb run in out_dir/wandb logging what metrics.jsonl gets (run_id: the one a resumed run
+    continues), or None, with a warning, when wandb cannot be imported."""
     try:
         import wandb
     except ImportError:
@@ -308,11 +287,9 @@ def start_wandb(config, run_config, run_id):
 
 
 class RunLog:
-    """What rank 0 reports: lines on stdout, and records in metrics.jsonl and in wandb (with
-    wandb_log). It keeps the timings behind the ETA that ends the log lines, and the time of
-    the last line: a step or an evaluation that runs PROGRESS_SECONDS past it prints how far it
-    has got, so that a slow run (the default one on a CPU: about a minute a step) never sits
-    silent."""
+    """What rank 0 reports: lines on stdout, records in metrics.jsonl and wandb. It keeps the
+    timings behind the ETA, and the time of the last line, so that a step or evaluation running
+    PROGRESS_SECONDS past it can say how far it has got: a slow run never sits silent."""
 
     def __init__(self, config, micro_steps):
         self.config, self.micro_steps = config, micro_steps
@@ -333,10 +310,9 @@ class RunLog:
         return time.perf_counter() - self.last_line > PROGRESS_SECONDS
 
     def eta(self, it, eval_pending, eval_left=None):
-        """The time left after iteration it at the pace so far, h:mm:ss: the steps to go, the
-        evaluations due at the last one's length, and eval_left seconds of the one running.
-        Before a step or an evaluation is timed, an evaluation batch stands in (a micro-batch's
-        forward and backward cost about three forwards)."""
+        """The time left after iteration it, h:mm:ss: the steps to go, the evaluations due, and
+        eval_left seconds of the one running. Before a step or an evaluation is timed, an
+        evaluation batch stands in (a micro-batch's forward and backward cost about three)."""
         config = self.config
         step_s = self.step_s or 3 * self.micro_steps * self.batch_s
         eval_s = self.eval_s or 2 * config.eval_iters * (self.batch_s or step_s / (3 * self.micro_steps))
@@ -348,12 +324,8 @@ class RunLog:
 
 def write_run_config(out_dir, run_config):
     path = os.path.join(out_dir, CONFIG_NAME)
-    try:
-        with open(path, "w") as f:
-            json.dump(run_config, f, indent=2)
-            f.write("\n")
-    except OSError as e:
-        raise write_error(path, e) from None
+    with writing(path), open(path, "w") as f:
+        f.write(json.dumps(run_config, indent=2) + "\n")
 
 
 def read_run_config(out_dir):
@@ -362,8 +334,8 @@ def read_run_config(out_dir):
 
 
 def read_metrics(out_dir):
-    """The records of out_dir/metrics.jsonl in order, skipping a line cut short by a kill; a
-    RunFileError for a file that is not one train.py wrote (not UTF-8 text, unreadable)."""
+    """The records of out_dir/metrics.jsonl, skipping a line cut short by a kill; a RunFileError
+    for a file that is not UTF-8 text."""
     path = os.path.join(out_dir, METRICS_NAME)
     try:
         with open(path, encoding="utf-8") as f:
@@ -378,22 +350,15 @@ def read_metrics(out_dir):
 
 
 def reset_metrics(out_dir, keep):
-    """Start out_dir/metrics.jsonl afresh with the records keep(record) is true of (none for a
-    run from scratch; for a resumed run those up to its checkpoint: the stopped run may have
-    logged past it, or been killed mid-line), so that the file reads as one run."""
+    """Start out_dir/metrics.jsonl afresh with the records keep(record) is true of, so that the
+    file reads as one run (a stopped run may have logged past its checkpoint)."""
     path = os.path.join(out_dir, METRICS_NAME)
     kept = [record for record in read_metrics(out_dir) if keep(record)] if os.path.exists(path) else []
-    try:
-        with write_atomically(path, "w") as f:
-            f.writelines(json.dumps(record) + "\n" for record in kept)
-    except OSError as e:
-        raise write_error(path, e) from None
+    with writing(path), write_atomically(path, "w") as f:
+        f.writelines(json.dumps(record) + "\n" for record in kept)
 
 
 def append_metrics(out_dir, record):
     path = os.path.join(out_dir, METRICS_NAME)
-    try:
-        with open(path, "a") as f:
-            f.write(json.dumps(record) + "\n")
-    except OSError as e:
-        raise write_error(path, e) from None
+    with writing(path), open(path, "a") as f:
+        f.write(json.dumps(record) + "\n")
