@@ -11,15 +11,13 @@ process on one CUDA card.
     NANOFA2_ADA=1 python bench.py ...    # the path an RTX 4070 Super takes (attention/launch.py says what)
 
 The grids are the FlashAttention-2 paper's (16k tokens a batch, hidden 2048, N from 512 to 16k,
-head dims 64 and 128, causal and not) and a long-context one. q, k, v are views of one fused
-projection, as the model makes them. Kernels are timed with triton.testing.do_bench (the median
-of repeated runs on the GPU, after a warm-up); TFLOP/s count 4 * B * H * N^2 * D for the forward
-(half when causal) and 2.5 times that for the backward. The step mode times whole optimizer
-steps in turns, backend after backend, because the host drifts by tens of percent over minutes:
-GPU time (torch.profiler's kernel time) judges the kernels, wall time the host; at each block
-size the batch keeps the default run's tokens per micro-batch, and a backend out of memory is not
-run at longer ones. Writes JSON and markdown tables (and a plot of each grid) to --out. The
-decode benchmark is sample.py --benchmark=True.
+head dims 64 and 128, causal and not) and a long-context one, q, k, v being views of one fused
+projection as in the model. triton.testing.do_bench gives the median ms; TFLOP/s count
+4 * B * H * N^2 * D for the forward (half when causal), 2.5 times that for the backward. The
+step mode times whole optimizer steps backend after backend in turns, as the host drifts over
+minutes: GPU time judges the kernels, wall time the host. At each block size the batch keeps
+the default run's tokens per micro-batch; a backend out of memory is not run at longer ones.
+Writes JSON and markdown (and a plot of each grid) to --out. Decoding: sample.py --benchmark=True.
 """
 import json
 import os
@@ -54,7 +52,7 @@ def check(config):
     if unknown:
         raise ConfigError(f"providers={config.providers!r}: unknown {sorted(unknown)}; choose from {', '.join(PROVIDERS)}")
     if not all(size.isdigit() and int(size) >= 1 for size in config.block_sizes.split(",")):
-        raise ConfigError(f"block_sizes={config.block_sizes!r}: expected ints >= 1, comma-separated (e.g. 256,512,1024)")
+        raise ConfigError(f"block_sizes={config.block_sizes!r}: expected ints >= 1, comma-separated, e.g. 256,512")
 
 
 config = parse_config(BenchConfig, check=check, usage=__doc__)  # before torch loads: --help answers at once

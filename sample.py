@@ -4,30 +4,20 @@
     python sample.py --out_dir=out-tiny --start=FILE:data/shakespeare/prompt.txt --num_samples=3 --attn=sdpa
     python sample.py --benchmark=True --init_from=random --max_new_tokens=255 --num_samples=1
 
---start is the prompt, or FILE:path to read it from a file (relative to the current
-directory; the repo ships data/shakespeare/prompt.txt). A model trained here knows only the
-GPT-2 tokens of its training text, which never holds GPT-2's end-of-text token
-<|endoftext|>: a prompt with a token it never saw, that one included, is refused, naming it.
---attn picks the attention backend (by default the one the checkpoint was trained with).
---kv_cache=True (the default) keeps every layer's keys and values and feeds one new token per
-step; --kv_cache=False feeds the whole context every step (see GPT.generate); on a GPU the
-cached one-token step is a CUDA graph, replayed per token. --compile=True compiles that step
-first (GPT.compile_decode_step: one Inductor graph inside the CUDA graph; the first tokens wait
-for the compile). In bf16 (--dtype=auto on GPUs that have it) the weights are cast to bf16
-once and generation runs without autocast; float16 keeps them fp32 under autocast
-(training/devices.py, generation_precision). Each sample's speed goes to stderr as it ends.
+--start is the prompt, or FILE:path to read it from a file (relative to the current directory).
+A model trained here knows only the GPT-2 tokens of its training text, which never holds
+GPT-2's <|endoftext|>: a prompt with a token it never saw is refused, naming it. --attn picks
+the backend (by default the checkpoint's). --kv_cache=True (the default) feeds one new token a
+step, on a GPU from a CUDA graph; --compile=True compiles that step first. In bf16 the weights
+are cast once (training/devices.py, generation_precision). Each sample's speed goes to stderr.
 
---benchmark=True prints decode tokens/s with and without the cache instead of text, a row per
-backend as each finishes. On the CPU it leaves out the Triton backends unless --attn names one:
-the CPU runs their kernels in Triton's interpreter, whose speed says nothing about the kernels;
-the README's command then takes about a minute.
-
+--benchmark=True prints decode tokens/s with and without the cache, a row per backend; on the
+CPU without the Triton ones (their interpreter's speed says nothing) unless --attn names one.
 Settings are SampleConfig's fields (training/config.py), listed below.
 
 Exit status: 0 done; 1 an error stopped it (no usable checkpoint); 2 bad configuration: a
-setting wrong in itself (unknown key, wrong type, value not allowed) or one that cannot run
-here (no GPU for --device=cuda, an unreadable prompt file, a prompt the model has no tokens
-for, a backend that cannot take the checkpoint's head dim).
+setting wrong in itself or one that cannot run here (no GPU for --device=cuda, an unreadable
+prompt file, a prompt the model has no tokens for, a head dim the backend cannot take).
 """
 import sys
 import time
@@ -36,8 +26,7 @@ from dataclasses import replace
 from training.config import (BACKENDS, TRITON_BACKENDS, ConfigError, SampleConfig, check_attn_head_dim,
                              check_sample_config, exit_bad_config, parse_config)
 
-# The settings are read and checked before torch is imported (1.5 s or more), so that --help and
-# a bad setting answer at once.
+# Parsed before torch loads (1.5 s or more), so that --help and a bad setting answer at once.
 config = parse_config(SampleConfig, check=check_sample_config, usage=__doc__)
 
 import torch
@@ -51,9 +40,9 @@ END_OF_TEXT = "<|endoftext|>"
 
 
 def read_prompt(start):
-    if not start.startswith("FILE:"):
+    path = start.removeprefix("FILE:")
+    if path == start:
         return start
-    path = start[len("FILE:"):]
     try:
         with open(path, encoding="utf-8") as f:
             prompt = f.read()
@@ -65,9 +54,7 @@ def read_prompt(start):
 
 
 def encode_prompt(encoder, prompt, vocab):
-    """The prompt's token ids in the model's numbering: GPT-2's, or the dense ids of the
-    corpus it trained on (vocab, from the checkpoint), where a token the corpus never used
-    has no id."""
+    """The prompt's token ids in the model's numbering: GPT-2's, or its corpus's dense ids (vocab)."""
     gpt2_ids = encoder.encode(prompt, allowed_special={END_OF_TEXT})
     if vocab is None:
         return gpt2_ids
@@ -84,8 +71,7 @@ def encode_prompt(encoder, prompt, vocab):
 
 
 def build_model(model_args, state, attn, device, dtype, compile_decode):
-    """The model ready to generate, and the context to generate under (generation_precision:
-    in bf16 the weights are cast once, in fp16 they stay fp32 under autocast)."""
+    """The model ready to generate, and the context to generate under (generation_precision)."""
     model = GPT(replace(model_args, attn=attn, dropout=0.0))
     try:
         model.load_state_dict(state)
@@ -107,11 +93,8 @@ def can_run(attn, model_args):
 
 
 def benchmark(model_args, state, prompt_ids, device, dtype):
-    """Decode tokens/s of each backend with and without the KV cache. On a GPU each timed run
-    follows an untimed one of the same length, in which Triton compiles and autotunes its
-    kernels for every context length; on the CPU nothing compiles, and a few tokens warm up.
-    Without --attn, the backends that cannot take the model's head dim are left out, and on
-    the CPU the Triton ones."""
+    """Decode tokens/s of each backend with and without the KV cache. On a GPU an untimed run of
+    the same length goes first (Triton tunes for every context length); on the CPU a few tokens."""
     backends = [b for b in BACKENDS if can_run(b, model_args) and (device.type == "cuda" or b not in TRITON_BACKENDS)]
     backends = backends if config.attn == "checkpoint" else [config.attn]
     batch, prompt_len = config.num_samples, prompt_ids.size(1)
@@ -139,7 +122,7 @@ def benchmark(model_args, state, prompt_ids, device, dtype):
 
 def load_model_args():
     """(model_args, weights, what they are, vocab): vocab is the dense numbering the model
-    trained with (prepare.py), or None for GPT-2's own ids (a random-init model)."""
+    trained with, or None for GPT-2's own ids (a random-init model)."""
     if config.init_from == "random":
         torch.manual_seed(config.seed)
         model_args = GPTConfig(n_kv_head=config.n_kv_head, window=config.window)  # the default run's model

@@ -1,13 +1,9 @@
 """Token files on disk -> checked memmaps -> random (x, y) batches for training.
 
-A data folder holds train.bin and val.bin (flat arrays of token ids) and meta.json,
-written by a prepare script, saying their dtype, vocabulary (size, and the GPT-2 id of each
-token id), token and character counts.
-open_split checks a file against meta.json before any training starts, so a missing,
-empty, truncated or wrong-dtype file is a clear DataError rather than a crash or silent
-garbage half an hour into a run, and a block_size longer than the data a ConfigError (a
-setting this data cannot run). A vocabulary of one token is refused, and a text much
-smaller than TinyShakespeare is warned about (size_warning).
+A data folder holds train.bin and val.bin (flat arrays of token ids) and meta.json (their
+dtype, vocabulary, token and character counts). Each file is checked against meta.json before
+training starts, so a missing, truncated or wrong-dtype file is a clear DataError, not a crash
+half an hour in, and a block_size longer than the data a ConfigError.
 """
 import json
 import os
@@ -34,9 +30,8 @@ def is_id_list(value):
     return isinstance(value, list) and all(type(i) is int and i >= 0 for i in value)
 
 
-# Every field of meta.json the readers use, checked before anything trusts it:
-# field -> (check, what was expected). A folder whose meta.json lacks one (an older prepare.py
-# wrote it) is prepared again (is_prepared).
+# Every field of meta.json the readers use -> (check, what was expected). A folder whose
+# meta.json lacks one (an older prepare.py wrote it) is prepared again (is_prepared).
 META_FIELDS = {
     "dtype": (lambda value: value in TOKEN_DTYPES, f"one of {', '.join(TOKEN_DTYPES)}"),
     "vocab_size": (lambda value: is_positive_int(value) and value >= 2, "an int >= 2 (one token leaves nothing to predict)"),
@@ -53,9 +48,8 @@ class DataError(RuntimeError):
 
 
 def is_prepared(data_dir):
-    """True when meta.json and both token files exist (prepare writes meta.json last) and
-    meta.json has every key this version reads: a folder an older prepare.py wrote (GPT-2
-    ids, no gpt2_ids mapping) is prepared again rather than trained on."""
+    """True when meta.json (written last) and both token files exist, and meta.json has every
+    key this version reads: a folder an older prepare.py wrote is prepared again."""
     names = ["meta.json"] + [f"{split}.bin" for split in SPLITS]
     if not all(os.path.exists(os.path.join(data_dir, name)) for name in names):
         return False
@@ -130,19 +124,14 @@ def open_split(data_dir, split, meta, block_size):
 
 
 class Batches:
-    """Random windows of block_size tokens; y is x shifted by one (next-token targets).
-
-    Every draw takes a torch.Generator, so the trainer can checkpoint the training
-    sampler's state and resume with exactly the batches an uninterrupted run would see,
-    and evaluation can use a generator of its own that leaves training's untouched.
-    """
+    """Random windows of block_size tokens, y being x shifted by one. Every draw takes a
+    torch.Generator, whose state a checkpoint keeps, so that a resumed run sees the same batches."""
 
     def __init__(self, data_dir, block_size, batch_size, device):
         meta = read_meta(data_dir)
         self.vocab_size = meta["vocab_size"]
         self.gpt2_ids = meta["gpt2_ids"]  # dense token id -> GPT-2 id, for decoding (sample.py)
-        # A mean loss in nats per token times tokens per character is nats per character,
-        # comparable with character-level models whatever the tokenizer.
+        # Nats per token times tokens per character: comparable with character-level models.
         self.tokens_per_char = {split: meta[f"{split}_tokens"] / meta[f"{split}_chars"] for split in SPLITS}
         self.splits = {split: open_split(data_dir, split, meta, block_size) for split in SPLITS}
         self.data_dir = data_dir
@@ -164,16 +153,14 @@ class Batches:
         starts = torch.randint(len(tokens) - self.block_size, (self.batch_size,), generator=generator)
         x = torch.from_numpy(np.stack([tokens[i:i + self.block_size] for i in starts.tolist()]).astype(np.int64))
         y = torch.from_numpy(np.stack([tokens[i + 1:i + 1 + self.block_size] for i in starts.tolist()]).astype(np.int64))
-        if self.device.type == "cuda":
-            # Pinned host memory lets the copy run asynchronously while the GPU is busy.
+        if self.device.type == "cuda":  # pinned host memory: the copy runs while the GPU is busy
             return x.pin_memory().to(self.device, non_blocking=True), y.pin_memory().to(self.device, non_blocking=True)
         return x, y
 
 
 def load_batches(data_dir, block_size, batch_size, device, world):
-    """The Batches of data_dir. Rank 0 prepares missing data while the other processes wait,
-    so that none of them reads a file being written, and warns of data much smaller than
-    TinyShakespeare."""
+    """The Batches of data_dir. Rank 0 prepares missing data while the others wait, and warns of
+    data much smaller than TinyShakespeare."""
     if world.is_main and not is_prepared(data_dir):
         print(f"no prepared data in {data_dir} (or data an older prepare.py wrote): running data/shakespeare/prepare.py")
         meta = prepare(data_dir, skip_if=is_prepared)  # another run may have prepared it meanwhile

@@ -2,13 +2,11 @@
 
     python docs/causal_tiles.py [--out PATH]
 
-An N_q x N_k score matrix cut into tile_m x tile_n tiles, causal (top row) and with a sliding
-window of WINDOW keys before each query (bottom row). Left, the forward (and the backward's dQ
-pass): each program holds one query tile and walks the key tiles along its row. Right, the
-backward's dK/dV pass: each program holds one key tile and walks the query tiles down its
-column. Every tile is full (no mask needed), masked (it crosses the diagonal or the window's
-edge, or the end of the keys) or skipped (never loaded): a mask is a bound on the loop. The
-kinds come from attention/tile_bounds.py, the bounds the tiled code runs and the kernels restate.
+An N_q x N_k score matrix in tile_m x tile_n tiles, causal (top) and with a sliding window of
+WINDOW keys (bottom). Left, the forward and dQ: a program walks the key tiles along its query
+tile's row; right, dK/dV: one walks the query tiles down its key tile's column. Each tile is
+full, masked (it crosses the diagonal, the window's edge or the end) or skipped: a mask is a
+bound on the loop. The kinds come from attention/tile_bounds.py, the bounds the kernels use.
 """
 import argparse
 import sys
@@ -26,20 +24,10 @@ WINDOW = 72
 COLOURS = {"full": "#4c9f70", "masked": "#f0a340", "skipped": "#e6e6e6"}
 
 
-def run(bounds):
-    """{tile start: kind} for a run of tiles (start, full_start, full_end, end), step `step`."""
-    (start, full_start, full_end, end), step = bounds
+def run(bounds, step):
+    """{tile start: kind} for a run of tiles (start, full_start, full_end, end)."""
+    start, full_start, full_end, end = bounds
     return {t: "full" if full_start <= t < full_end else "masked" for t in range(start, end, step)}
-
-
-def forward_tiles(q_start, left):
-    """{key tile start: kind} for the query tile starting at q_start."""
-    return run((key_tile_bounds(q_start, N_K, left, 0, TILE_M, TILE_N), TILE_N))
-
-
-def dkdv_tiles(k_start, left):
-    """{query tile start: kind} for the key tile starting at k_start."""
-    return run((query_tile_bounds(k_start, N_Q, left, 0, TILE_M, TILE_N), TILE_M))
 
 
 def draw(ax, kind_of, program, title):
@@ -63,10 +51,12 @@ def main():
     q_program, k_program = 3 * TILE_M, 3 * TILE_N
     for (forward_ax, dkdv_ax), (left, mask) in zip(fig.subplots(2, 2), ((UNBOUNDED, "causal"),
                                                                        (WINDOW, f"window of {WINDOW} keys"))):
-        draw(forward_ax, lambda q, k: forward_tiles(q, left).get(k, "skipped"), (q_program, 0, TILE_M, N_K),
+        draw(forward_ax, lambda q, k: run(key_tile_bounds(q, N_K, left, 0, TILE_M, TILE_N), TILE_N).get(k, "skipped"),
+             (q_program, 0, TILE_M, N_K),
              f"{mask}; forward and dQ: a query tile\nwalks the key tiles (outlined: rows "
              f"{q_program}-{q_program + TILE_M - 1})")
-        draw(dkdv_ax, lambda q, k: dkdv_tiles(k, left).get(q, "skipped"), (0, k_program, N_Q, TILE_N),
+        draw(dkdv_ax, lambda q, k: run(query_tile_bounds(k, N_Q, left, 0, TILE_M, TILE_N), TILE_M).get(q, "skipped"),
+             (0, k_program, N_Q, TILE_N),
              f"{mask}; dK/dV: a key tile\nwalks the query tiles (outlined: keys {k_program}-"
              f"{k_program + TILE_N - 1})")
     handles = [Rectangle((0, 0), 1, 1, facecolor=colour) for colour in COLOURS.values()]

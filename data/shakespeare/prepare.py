@@ -2,32 +2,17 @@
 
     python data/shakespeare/prepare.py [--input PATH] [--out_dir DIR]
 
-input.txt comes from the first of: --input PATH, the environment variable
-TINYSHAKESPEARE_PATH, a copy already in the output folder, or a download of the char-rnn
-copy nanoGPT uses.
+input.txt comes from --input, else $TINYSHAKESPEARE_PATH, else a copy in the output folder, else
+a download of the char-rnn copy nanoGPT uses. Offline (use_shared_data), a folder shared/data
+beside the repo fills in TINYSHAKESPEARE_PATH and TIKTOKEN_CACHE_DIR (tiktoken's cached gpt2
+vocabulary) where they are unset: shared/data/tinyshakespeare/input.txt, shared/data/tiktoken_cache/.
 
-Offline, the data is found by one rule, the same for the scripts and the tests
-(use_shared_data): the environment variables TINYSHAKESPEARE_PATH (input.txt) and
-TIKTOKEN_CACHE_DIR (tiktoken's cached gpt2 vocabulary) win; where one is unset, a folder
-shared/data beside the repo fills it in if it holds the copy (the layout CI uses):
-
-    shared/data/tinyshakespeare/input.txt
-    shared/data/tiktoken_cache/
-    nanoFA2/                      <- this repo
-
-The first 90% of characters become train, the last 10% val; with the
-real file that is 301,966 and 36,059 tokens. The GPT-2 ids the corpus uses are renumbered
-densely (DenseVocab below) and stored as uint16. meta.json records the dtype, the vocabulary
-(vocab_size and gpt2_ids, dense id -> GPT-2 id, which sample.py decodes with), the token
-counts, so the trainer can tell a truncated or wrong-dtype file from a good one, and the
-character counts, so a loss in nats per token converts to bits per character.
-
-Every file is written to a temporary name in the same folder and renamed into place
-(write_atomically, which train.py's checkpoints use too), so a run killed half way leaves
-either the old file or the new one, never a torn one; meta.json is removed first and written
-last, so its presence means the bins beside it are complete. Running the script twice is
-harmless, and so is running it several times at once: each preparation holds a lock on the
-folder (folder_lock: flock, released by the OS if the process dies).
+The first 90% of characters become train, the rest val (301,966 and 36,059 tokens). The GPT-2
+ids the text uses are renumbered densely (DenseVocab) and stored as uint16. meta.json records
+the dtype, the vocabulary (gpt2_ids: dense id -> GPT-2 id), and the token and character counts,
+so that a reader can tell a truncated file and convert nats per token to bits per character.
+Every file is written atomically (write_atomically), meta.json last, under the folder's lock:
+running the script twice, or several at once, is harmless.
 """
 import argparse
 import contextlib
@@ -50,9 +35,6 @@ DOWNLOAD_URL = "https://raw.githubusercontent.com/karpathy/char-rnn/master/data/
 ENCODING = "gpt2"
 TOKEN_DTYPE = np.uint16
 TRAIN_FRACTION = 0.9
-# How many of GPT-2's tokens the real input.txt uses: the model's vocabulary after the remap, for
-# code that builds the default model without the data (benchmarks); meta.json is the authority.
-SHAKESPEARE_VOCAB_SIZE = 11706
 
 
 class PrepareError(RuntimeError):
@@ -60,23 +42,14 @@ class PrepareError(RuntimeError):
 
 
 class DenseVocab:
-    """The GPT-2 token ids a corpus uses, renumbered 0..V-1 in order of GPT-2 id.
-
-    TinyShakespeare uses about a quarter of GPT-2's 50,257 tokens. A model over all of them
-    spends most of its output layer, and much of its step, on logits of tokens that never
-    occur (and learns to rule them out, which is all it ever learns about them). Text still
-    goes through tiktoken's GPT-2 BPE; only the numbering of its tokens changes, and
-    gpt2_ids (dense id i is GPT-2 token gpt2_ids[i]) turns it back."""
+    """The GPT-2 token ids a corpus uses, renumbered 0..V-1 in order (dense id i is GPT-2 token
+    gpt2_ids[i]). TinyShakespeare uses a quarter of GPT-2's 50,257 tokens: a model over all of
+    them would spend most of its output layer on logits of tokens that never occur."""
 
     def __init__(self, gpt2_ids):
         self.gpt2_ids = np.asarray(gpt2_ids, dtype=np.int64)
         if np.any(np.diff(self.gpt2_ids) <= 0):
             raise ValueError("gpt2_ids: expected strictly increasing GPT-2 token ids")
-
-    @classmethod
-    def of_corpus(cls, token_arrays):
-        """The vocabulary of every GPT-2 id that occurs in any of the arrays."""
-        return cls(np.unique(np.concatenate([np.asarray(tokens, dtype=np.int64) for tokens in token_arrays])))
 
     def __len__(self):
         return len(self.gpt2_ids)
@@ -96,12 +69,8 @@ class DenseVocab:
 
 
 def prepare(out_dir=DEFAULT_OUT_DIR, input_path=None, skip_if=None):
-    """Write train.bin, val.bin and meta.json into out_dir; return the meta dict.
-
-    skip_if(out_dir) -> bool, asked under the folder's lock: when it is true the folder is left
-    as it is and None returned. For callers that found the folder unprepared and may have
-    waited for the lock while another process prepared it (re-preparing would delete the
-    meta.json that process is about to read)."""
+    """Write train.bin, val.bin and meta.json into out_dir; return the meta dict, or None when
+    skip_if(out_dir), asked under the lock, is true (another process prepared it meanwhile)."""
     use_shared_data()
     try:
         os.makedirs(out_dir, exist_ok=True)
@@ -115,9 +84,8 @@ def prepare(out_dir=DEFAULT_OUT_DIR, input_path=None, skip_if=None):
 
 @contextlib.contextmanager
 def folder_lock(path, wait=True):
-    """Exclusive use of a folder among processes that ask for it, without a lock file to leave
-    behind: flock on the folder itself. wait=False raises BlockingIOError when another process
-    holds it."""
+    """Exclusive use of a folder, by flock on the folder itself (no lock file to leave behind);
+    wait=False raises BlockingIOError when another process holds it."""
     fd = os.open(path, os.O_RDONLY)
     try:
         fcntl.flock(fd, fcntl.LOCK_EX | (0 if wait else fcntl.LOCK_NB))
@@ -137,7 +105,7 @@ def write_dataset(out_dir, input_path):
         os.remove(meta_path)
     gpt2_tokens = {split: np.array(encoder.encode_ordinary(split_text), dtype=np.int64)
                    for split, split_text in splits.items()}
-    vocab = DenseVocab.of_corpus(gpt2_tokens.values())
+    vocab = DenseVocab(np.unique(np.concatenate(list(gpt2_tokens.values()))))
     if len(vocab) < 2:
         raise PrepareError(f"the text gives a vocabulary of {len(vocab)} token ({len(text):,} characters): "
                            "there is nothing to predict; use a real text")
@@ -164,15 +132,11 @@ def use_shared_data():
 
 def find_input(out_dir, input_path):
     """The path of input.txt, downloading it into out_dir when no local copy is named or found."""
-    if input_path is not None:
-        if not os.path.isfile(input_path):
-            raise PrepareError(f"--input {input_path!r}: no such file")
-        return input_path
-    env_path = os.environ.get(INPUT_VAR)
-    if env_path:
-        if not os.path.isfile(env_path):
-            raise PrepareError(f"{INPUT_VAR}={env_path!r}: no such file")
-        return env_path
+    for named, path in (("--input ", input_path), (f"{INPUT_VAR}=", os.environ.get(INPUT_VAR))):
+        if path and not os.path.isfile(path):
+            raise PrepareError(f"{named}{path!r}: no such file")
+        if path:
+            return path
     local_path = os.path.join(out_dir, "input.txt")
     if os.path.isfile(local_path):
         return local_path
@@ -219,12 +183,9 @@ def load_encoder():
 
 @contextlib.contextmanager
 def write_atomically(path, mode="wb"):
-    """`with write_atomically(path) as f:` writes f to `path` all at once, or not at all. f is
-    `path`.tmp in the same folder, flushed and fsynced, then renamed over `path`: a rename within
-    one filesystem is atomic, so a process killed at any moment (SIGKILL included) leaves either
-    the previous complete file or the new one, and at worst a stale `path`.tmp, which the next
-    write replaces. A write that fails (a full disk) removes `path`.tmp and re-raises. One writer
-    per folder at a time: callers hold the folder's lock (folder_lock)."""
+    """`with write_atomically(path) as f:` writes `path` whole or not at all: f is `path`.tmp,
+    fsynced, then renamed over `path` (atomic within a filesystem), so a process killed at any
+    moment leaves the old file or the new one. A failed write removes `path`.tmp and re-raises."""
     tmp_path = path + ".tmp"
     try:
         with open(tmp_path, mode) as f:
