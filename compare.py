@@ -7,20 +7,14 @@ time, throughput and memory.
     python compare.py --backends=eager,triton,sdpa --max_iters=30 --profile=True --compile_both=True
                                                                      # where each step's time goes
 
-Each backend trains in a subprocess of train.py with the same config and seed, so the same
-initial weights and batches; every train.py key is passed on, and runs log every iteration and
-evaluate five times unless --log_interval or --eval_interval say otherwise. Writes to --out:
-
-  runs/<backend>/          each run's out_dir, with its train.log
-  compare.png, compare.md  loss curves overlaid, steady-state step time (median and spread),
-                           tokens/s, MFU, peak memory, and each loss curve's distance from eager's
-  profile.png              with --profile=True, each step split into the categories of
-                           training/profiling.py as stacked bars; compare.md gets the table
-
-Steady state leaves out the warm-up steps train.py flags (compile, autotune). A run that fails
-is marked in the report with its exit status and last line, and the other runs go on.
---from_runs warns, and says in compare.md, when the runs differ in settings other than the
-backend. Step time and memory against context length: python bench.py --mode=step --block_sizes=...
+Each backend trains in a subprocess of train.py with the same config and seed (so the same
+weights and batches), every train.py key passed on, logging every iteration and evaluating five
+times unless told otherwise. Writes to --out: runs/<backend>/ (each run's out_dir and train.log),
+compare.md and compare.png (loss curves, their distance from eager's, steady-state step time,
+tokens/s, MFU, peak memory) and, with --profile=True, profile.png and a table of where each
+step's time goes (training/profiling.py). Steady state leaves out train.py's warm-up steps. A
+failed run is marked with its exit status and last line, and the others go on. --from_runs says
+when the runs differ in more than the backend. Time and memory against context: bench.py --mode=step.
 
 Exit status: 0 done; 1 a run failed other than by running out of memory (after the others ran
 and the report was written); 2 bad arguments (a corrupt --from_runs config.json too); 130
@@ -50,6 +44,8 @@ SET_PER_RUN = {"attn": "--backends", "out_dir": "--out"}  # train.py keys compar
 # The config.json keys the report reads (describe_setup).
 SETUP_KEYS = ("attn", "n_layer", "n_head", "n_embd", "block_size", "batch_size", "gradient_accumulation_steps",
               "tokens_per_iter", "max_iters", "seed", "gpu", "device", "dtype")
+# Settings that may differ between runs compared step for step: the backend, and where a run logs.
+MAY_DIFFER = {"attn", "out_dir", "init_from", "overwrite", "wandb_log", "wandb_project", "wandb_run_name"}
 PROGRESS_LINE = re.compile(r"iter (\d+): loss (\S+),")  # train.py's log lines
 REFERENCE = "eager"  # the backend every loss curve is measured against
 COLORS = {backend: f"C{i}" for i, backend in enumerate(BACKENDS)}
@@ -110,13 +106,13 @@ def check_compare_config(config, passed_on):
 def check_finished_run(out_dir):
     """A ConfigError unless out_dir holds a train.py run's config.json and metrics.jsonl, with
     the keys the report reads and at least one log record."""
-    for name in (CONFIG_NAME, METRICS_NAME):
-        if not os.path.isfile(os.path.join(out_dir, name)):
-            raise ConfigError(f"from_runs: {out_dir} has no {name}; expected the out_dir of a train.py run")
     config_path, metrics_path = os.path.join(out_dir, CONFIG_NAME), os.path.join(out_dir, METRICS_NAME)
+    for path in (config_path, metrics_path):
+        if not os.path.isfile(path):
+            raise ConfigError(f"from_runs: {out_dir} has no {os.path.basename(path)}; expected the out_dir of a "
+                              "train.py run")
     try:
-        run_config = read_run_config(out_dir)
-        records = read_metrics(out_dir)
+        run_config, records = read_run_config(out_dir), read_metrics(out_dir)
     except (OSError, ValueError) as e:  # UnicodeDecodeError and json's errors are ValueErrors
         raise ConfigError(f"from_runs: {config_path} cannot be read ({e})") from None
     except RunFileError as e:
@@ -134,7 +130,8 @@ def check_finished_run(out_dir):
 
 
 def parse_args(argv):
-    """(CompareConfig, the train.py arguments to pass on, their TrainConfig); exits 2 on bad ones."""
+    """(CompareConfig, the train.py arguments to pass on, their TrainConfig); exits 2 on bad ones.
+    The train.py settings are checked with each backend now, not after the first run."""
     if "-h" in argv or "--help" in argv:
         print(f"{__doc__}\n{describe(CompareConfig)}\nand any train.py key (python train.py --help), passed on to "
               "every run")
@@ -144,18 +141,14 @@ def parse_args(argv):
     own = [arg for arg in argv if arg.startswith("--") and arg[2:].partition("=")[0] in own_keys]
     passed_on = [arg for arg in argv if arg not in own]
     config = parse_config(CompareConfig, own, check=lambda config: check_compare_config(config, passed_on))
-    # Checked now, with each backend it will train, so a typo (or a head dim the Triton kernels
-    # cannot take) stops compare.py before the first run rather than after it.
-    backends = split_list(config.backends)
     train_config = parse_config(TrainConfig, passed_on, check=lambda train_config: [
-        check_config(replace(train_config, attn=backend)) for backend in backends])
+        check_config(replace(train_config, attn=backend)) for backend in split_list(config.backends)])
     return config, passed_on, train_config
 
 
 def train(label, out_dir, args, total_iters):
-    """Run train.py with `args` into out_dir, showing a progress bar; its output goes to
-    out_dir/train.log. Returns a Run, marked when the GPU ran out of memory or train.py
-    failed otherwise. A run of an earlier compare.py in out_dir is replaced (overwrite)."""
+    """Run train.py with `args` into out_dir (replacing an earlier run), its output in
+    out_dir/train.log, under a progress bar; the Run is marked if it ran out of memory or failed."""
     os.makedirs(out_dir, exist_ok=True)
     log_path = os.path.join(out_dir, "train.log")
     command = [sys.executable, TRAIN_SCRIPT, "--overwrite=True", *args, f"--out_dir={out_dir}"]
@@ -174,33 +167,14 @@ def train(label, out_dir, args, total_iters):
         status = process.wait()
         if status == EXIT_OUT_OF_MEMORY:
             bar.set_postfix_str("out of memory")
-    if status == EXIT_OUT_OF_MEMORY:
-        return Run(label, out_dir, out_of_memory=True)
+            return Run(label, out_dir, out_of_memory=True)
     if status != 0:
         with open(log_path) as f:
-            lines = [line.strip() for line in f if line.strip()]
-        last_line = lines[-1] if lines else "no output"
+            last_line = ([line.strip() for line in f if line.strip()] or ["no output"])[-1]
         print(f"{label}: train.py exited with status {status}: {last_line} (all of it in {log_path})",
               file=sys.stderr)
         return Run(label, out_dir, failure=f"exit status {status}: {last_line}")
-    return read_run(label, out_dir)
-
-
-def read_run(label, out_dir):
     return Run(label, out_dir, read_run_config(out_dir), read_metrics(out_dir))
-
-
-def runs_from_dirs(out_dirs):
-    """Runs read from train.py out_dirs, labelled by backend (and folder, where backends repeat)."""
-    configs = [read_run_config(out_dir) for out_dir in out_dirs]
-    backends = [config["attn"] for config in configs]
-    return [read_run(backend if backends.count(backend) == 1 else f"{backend} ({os.path.basename(out_dir)})",
-                     out_dir) for backend, out_dir in zip(backends, out_dirs)]
-
-
-# Settings that may differ between runs compared step for step: the backend itself, and
-# where and under which name a run logs.
-MAY_DIFFER = {"attn", "out_dir", "init_from", "overwrite", "wandb_log", "wandb_project", "wandb_run_name"}
 
 
 def differing_settings(runs):
@@ -225,11 +199,6 @@ def peak_memory(run):
     return max(values) if values else None
 
 
-def last_eval(run):
-    evals = [r for r in run.records if "val_loss" in r]
-    return evals[-1] if evals else None
-
-
 def max_difference(run, reference, key):
     """Largest |run - reference| of `key` over the iterations both logged it; None if none."""
     mine = {r["iter"]: r[key] for r in run.records if key in r}
@@ -245,36 +214,33 @@ def fmt(value, spec, unit=""):
 def describe_setup(config):
     """One line on what the runs trained: model, batch, device."""
     cap = f", max_memory_gb {config['max_memory_gb']:g}" if config.get("max_memory_gb") else ""
-    device = config["gpu"] or config["device"]
     return (f"{config['n_layer']} layers, {config['n_head']} heads, n_embd {config['n_embd']}, "
             f"block_size {config['block_size']}, batch_size {config['batch_size']} x "
             f"{config['gradient_accumulation_steps']} accumulation ({config['tokens_per_iter']:,} tokens/iter), "
-            f"{config['max_iters']} iters, seed {config['seed']}; {device}, {config['dtype']}{cap}")
+            f"{config['max_iters']} iters, seed {config['seed']}; {config['gpu'] or config['device']}, "
+            f"{config['dtype']}{cap}")
 
 
 def comparison_row(run, reference):
     """A run's row of compare.md's table."""
-    if run.out_of_memory:
-        return f"| {run.label} | out of memory |" + " |" * 9
-    if run.failure:
-        return f"| {run.label} | failed, {run.failure.replace('|', '/')} |" + " |" * 8
-    final = last_eval(run)
+    if not run.finished:
+        return f"| {run.label} | " + ("out of memory |" + " |" * 9 if run.out_of_memory else
+                                      f"failed, {run.failure.replace('|', '/')} |" + " |" * 8)
+    final = ([r for r in run.records if "val_loss" in r] or [None])[-1]
     step_ms = [r["step_ms"] for r in steady_records(run)]
-    spread = (f"{np.percentile(step_ms, 10):.1f} - {np.percentile(step_ms, 90):.1f}" if step_ms else "n/a")
-    train_diff = max_difference(run, reference, "loss") if reference else None
-    val_diff = max_difference(run, reference, "val_loss") if reference else None
+    spread = f"{np.percentile(step_ms, 10):.1f} - {np.percentile(step_ms, 90):.1f}" if step_ms else "n/a"
     return " | ".join([
         f"| {run.label}", fmt(final and final["train_loss"], ".4f"), fmt(final and final["val_loss"], ".4f"),
         fmt(final and final.get("val_bpc"), ".3f"),
         fmt(median_of(run, "step_ms"), ".1f"), spread, fmt(median_of(run, "tokens_per_s"), ",.0f"),
         fmt(median_of(run, "mfu") and 100 * median_of(run, "mfu"), ".1f", "%"), fmt(peak_memory(run), ",.0f"),
-        fmt(train_diff, ".2e"), fmt(val_diff, ".2e")]) + " |"
+        *(fmt(reference and max_difference(run, reference, key), ".2e") for key in ("loss", "val_loss"))]) + " |"
 
 
 def write_comparison(runs, out, command):
     os.makedirs(out, exist_ok=True)
-    reference = next((run for run in runs if run.finished and run.config.get("attn") == REFERENCE), None)  # the first
     trained = [run for run in runs if run.finished]
+    reference = next((run for run in trained if run.config.get("attn") == REFERENCE), None)  # the first
     setup = describe_setup(trained[0].config) if trained else "no run finished"
     notes = "" if reference else f"\nNo {REFERENCE} run finished, so there are no differences from its curves.\n"
     differences = differing_settings(trained)
@@ -293,19 +259,18 @@ Step time is the whole optimizer step between device synchronisations, over the 
 iterations (after the warm-up steps), as are tokens/s and MFU; peak memory is the most torch
 allocated on the GPU. Losses are nats per token; bits/char is the val loss per character
 (nanoGPT's character-level Shakespeare reaches 2.12). The last two columns are the largest
-distance from the (first) {REFERENCE} run's training loss at every logged iteration and val loss at every evaluation.
+distance from the (first) {REFERENCE} run's training loss at every logged iteration and val loss
+at every evaluation.
 {notes}
 | backend | final train loss | final val loss | final val bits/char | step ms (median) | step ms (p10 - p90) | tokens/s | MFU | peak memory (MB) | max abs diff, train loss | max abs diff, val loss |
 | --- | --- | --- | --- | --- | --- | --- | --- | --- | --- | --- |
 """ + "\n".join(comparison_row(run, reference) for run in runs) + "\n"
-    with open(os.path.join(out, "compare.md"), "w") as f:
-        f.write(text)
-    plot_comparison(runs, os.path.join(out, "compare.png"), setup, reference)
     profiles = {run.label: read_profile(run.out_dir) for run in trained}
     profiles = {label: profile for label, profile in profiles.items() if profile is not None}
+    with open(os.path.join(out, "compare.md"), "w") as f:
+        f.write(text + (profile_table(profiles) if profiles else ""))
+    plot_comparison(runs, os.path.join(out, "compare.png"), setup, reference)
     if profiles:
-        with open(os.path.join(out, "compare.md"), "a") as f:
-            f.write(profile_table(profiles))
         plot_profiles(profiles, os.path.join(out, "profile.png"), setup)
 
 
@@ -317,14 +282,17 @@ def profile_unit(profiles):
     return "GPU kernel" if all(p["device"] == "cuda" for p in profiles.values()) else "CPU op"
 
 
+def share_text(profile):
+    """Attention's share of the busy time, or "n/a (fused)" where Inductor fused it with other work."""
+    attention = profile["ms"]["attention forward"] + profile["ms"]["attention backward"]
+    return f"{100 * attention / busy_ms(profile):.0f}%" if attention > 0 else "n/a (fused)"
+
+
 def profile_table(profiles):
     """compare.md's section on where each profiled run's step goes."""
-    rows = []
-    for label, profile in profiles.items():
-        rows.append(" | ".join([f"| {label}", *(f"{profile['ms'][c]:.2f}" for c in CATEGORIES),
-                                f"{profile['step_ms']:.2f}", f"{busy_ms(profile):.2f}",
-                                share_text(profile), fmt(profile.get("peak_mem_mb"), ",.0f"),
-                                fmt(profile.get("attention_saved_mb"), ",.1f")]) + " |")
+    rows = [" | ".join([f"| {label}", *(f"{profile['ms'][c]:.2f}" for c in CATEGORIES), f"{profile['step_ms']:.2f}",
+                        f"{busy_ms(profile):.2f}", share_text(profile), fmt(profile.get("peak_mem_mb"), ",.0f"),
+                        fmt(profile.get("attention_saved_mb"), ",.1f")]) + " |" for label, profile in profiles.items()]
     return f"""
 ## Where the step goes
 
@@ -336,14 +304,6 @@ kernels. Attention saved: what attention keeps for backward in one micro-batch (
 | run | {' | '.join(CATEGORIES)} | step (wall) | busy | attention share | peak memory (MB) | attention saved (MB) |
 |{' --- |' * (len(CATEGORIES) + 6)}
 """ + "\n".join(rows) + "\n"
-
-
-def share_text(profile):
-    """Attention's share of the busy time, e.g. "57%"; "n/a (fused)" when no kernel was
-    attention's alone: Inductor fuses eager's softmax with the work around it, which the
-    profile cannot split."""
-    attention = profile["ms"]["attention forward"] + profile["ms"]["attention backward"]
-    return f"{100 * attention / busy_ms(profile):.0f}%" if attention > 0 else "n/a (fused)"
 
 
 def plot_profiles(profiles, path, setup):
@@ -367,14 +327,14 @@ def plot_profiles(profiles, path, setup):
     fig.savefig(path, dpi=120)
 
 
-def tick_label(run):
-    """A run's label under its bar or box, a word a line, so that six labels side by side do not run together."""
-    return run.label.replace(" ", "\n")
+def tick_labels(runs):
+    """A word a line, so that six labels ("eager compiled", ...) side by side do not run together."""
+    return [run.label.replace(" ", "\n") for run in runs]
 
 
 def plot_comparison(runs, path, setup, reference):
     """Loss curves, their distance from eager's, step time and tokens/s; on a GPU also MFU and
-    peak memory, which a CPU has no numbers for (their panels are left out there)."""
+    peak memory, which a CPU has no numbers for."""
     trained = [run for run in runs if run.finished]
     on_cpu = bool(trained) and all(run.config.get("gpu") is None for run in trained)
     fig = Figure(figsize=(12, 9) if on_cpu else (17, 9), layout="constrained")
@@ -382,10 +342,18 @@ def plot_comparison(runs, path, setup, reference):
     fig.suptitle(f"Attention backends compared: {setup}" + (f"\n{CPU_TRITON_NOTE}" if on_cpu and any(
         run.config["attn"] in TRITON_BACKENDS for run in trained) else ""), fontsize=9)
     plot_losses(axes[0], trained, reference)
-    plot_loss_differences(axes[1], trained, reference)
+    if reference is None:
+        no_data(axes[1], f"no {REFERENCE} run to compare with")
+    else:
+        for run in (run for run in trained if run is not reference):
+            pairs = loss_differences(run, reference)  # equal losses would vanish from a log scale: drawn at 1e-9
+            axes[1].plot([i for i, _ in pairs], [max(d, 1e-9) for _, d in pairs], color=COLORS.get(run.config["attn"]),
+                         label=run.label)
+        axes[1].set(yscale="log", title=f"|training loss - {REFERENCE}'s| (floor 1e-9: equal)", xlabel="iteration")
+        axes[1].legend(fontsize=7)
     step_times = [[r["step_ms"] for r in steady_records(run)] for run in trained]
     if any(step_times):
-        axes[2].boxplot(step_times, tick_labels=[tick_label(run) for run in trained], whis=(10, 90), showfliers=False)
+        axes[2].boxplot(step_times, tick_labels=tick_labels(trained), whis=(10, 90), showfliers=False)
         axes[2].set(title="steady-state step time (box: quartiles, whiskers: p10-p90)", ylabel="ms")
     else:
         no_data(axes[2], "no steady-state steps (max_iters too small)")
@@ -404,45 +372,30 @@ def plot_comparison(runs, path, setup, reference):
     fig.savefig(path, dpi=120)
 
 
+def loss_differences(run, reference):
+    """(iteration, |training loss - the reference's|) wherever both logged one."""
+    reference_loss = {r["iter"]: r["loss"] for r in reference.records if "loss" in r}
+    return [(r["iter"], abs(r["loss"] - reference_loss[r["iter"]])) for r in run.records
+            if "loss" in r and r["iter"] in reference_loss]
+
+
 def plot_losses(ax, trained, reference):
     """Every run's training loss at each iteration and val loss at each evaluation. A backend
     whose curves lie within a pixel of the reference's is not drawn over it (its colour would
-    hide under the reference's); the reference's legend entry names it instead."""
+    hide); the reference's legend entry names it instead."""
     coincide = coinciding_runs(trained, reference)
-    for run in trained:
-        if run in coincide:
-            continue
-        color = COLORS.get(run.config["attn"])
-        steps = [r for r in run.records if "loss" in r]
-        evals = [r for r in run.records if "val_loss" in r]
+    for run in (run for run in trained if run not in coincide):
         same = f" (= {', '.join(other.label for other in coincide)})" if run is reference and coincide else ""
-        ax.plot([r["iter"] for r in steps], [r["loss"] for r in steps], color=color, alpha=0.5, lw=1,
-                label=f"{run.label}{same} train")
-        # Evaluations are points: a line between them would claim values nobody measured.
-        ax.plot([r["iter"] for r in evals], [r["val_loss"] for r in evals], "o", color=color, ms=5,
-                label=f"{run.label}{same} val")
+        for key, style in (("loss", dict(alpha=0.5, lw=1)), ("val_loss", dict(marker="o", ls="", ms=5))):
+            # Evaluations are points: a line between them would claim values nobody measured.
+            records = [r for r in run.records if key in r]
+            ax.plot([r["iter"] for r in records], [r[key] for r in records], color=COLORS.get(run.config["attn"]),
+                    label=f"{run.label}{same} {'train' if key == 'loss' else 'val'}", **style)
     title = "loss: train every iteration, val at evaluations"
     if coincide:
-        merged = ", ".join(run.label for run in coincide)
-        title += f"\n{merged}:\nwithin a pixel of {reference.label}'s curves, drawn as {reference.label}"
+        title += (f"\n{', '.join(run.label for run in coincide)}:\nwithin a pixel of {reference.label}'s curves, "
+                  f"drawn as {reference.label}")
     ax.set(title=title, xlabel="iteration", ylabel="cross-entropy")
-    ax.legend(fontsize=7)
-
-
-def plot_loss_differences(ax, trained, reference):
-    if reference is None:
-        no_data(ax, f"no {REFERENCE} run to compare with")
-        return
-    reference_loss = {r["iter"]: r["loss"] for r in reference.records if "loss" in r}
-    for run in trained:
-        if run is reference:
-            continue
-        pairs = [(r["iter"], abs(r["loss"] - reference_loss[r["iter"]])) for r in run.records
-                 if "loss" in r and r["iter"] in reference_loss]
-        # Identical losses would vanish from a log scale: they are drawn at the floor.
-        ax.plot([i for i, _ in pairs], [max(d, 1e-9) for _, d in pairs], color=COLORS.get(run.config["attn"]),
-                label=run.label)
-    ax.set(yscale="log", title=f"|training loss - {REFERENCE}'s| (floor 1e-9: equal)", xlabel="iteration")
     ax.legend(fontsize=7)
 
 
@@ -462,8 +415,7 @@ def bar_chart(ax, runs, value_of, title, unit, label_format, missing=None):
     """One bar per run; a run that ran out of memory or failed gets a label instead of a bar."""
     values = {run.label: value_of(run) for run in runs if run.finished}
     if all(value is None for value in values.values()):
-        no_data(ax, missing or f"{title}: n/a")
-        return
+        return no_data(ax, missing or f"{title}: n/a")
     for i, run in enumerate(runs):
         if not run.finished:
             ax.text(i, 0, "out of\nmemory" if run.out_of_memory else "failed", ha="center", va="bottom", color="red",
@@ -471,7 +423,7 @@ def bar_chart(ax, runs, value_of, title, unit, label_format, missing=None):
         elif values[run.label] is not None:
             ax.bar(i, values[run.label], color=COLORS.get(run.config["attn"]))
             ax.text(i, values[run.label], label_format.format(values[run.label]), ha="center", va="bottom", fontsize=8)
-    ax.set(title=title, ylabel=unit, xticks=range(len(runs)), xticklabels=[tick_label(run) for run in runs])
+    ax.set(title=title, ylabel=unit, xticks=range(len(runs)), xticklabels=tick_labels(runs))
 
 
 def no_data(ax, message):
@@ -483,8 +435,12 @@ def main(argv=None):
     argv = sys.argv[1:] if argv is None else list(argv)
     config, passed_on, train_config = parse_args(argv)
     try:
-        if config.from_runs:
-            runs = runs_from_dirs(split_list(config.from_runs))
+        if config.from_runs:  # labelled by backend, and by folder where backends repeat
+            out_dirs = split_list(config.from_runs)
+            backends = [read_run_config(out_dir)["attn"] for out_dir in out_dirs]
+            runs = [Run(backend if backends.count(backend) == 1 else f"{backend} ({os.path.basename(out_dir)})",
+                        out_dir, read_run_config(out_dir), read_metrics(out_dir))
+                    for backend, out_dir in zip(backends, out_dirs)]
             for difference in differing_settings(runs):
                 print(f"warning: the runs differ in {difference}; compare.md says so", file=sys.stderr)
         else:  # a backend that fails is marked in compare.md; the others still run
