@@ -62,9 +62,9 @@ def parse_config(config_class, argv=None, check=None, usage=""):
         config = build_config(config_class, argv)
         if check is not None:
             check(config)
+        return config
     except ConfigError as e:
         exit_bad_config(e)
-    return config
 
 
 def exit_bad_config(error):
@@ -269,33 +269,24 @@ def parse_train_config(usage):
 def check_config(config, world_size=1):
     """Raise ConfigError for the first rule `config` breaks; world_size: torchrun's processes."""
     graph_conflicts = cuda_graph_conflicts(config, config.compile is not False, world_size)
+    at_least_1 = ("eval_interval", "eval_iters", "log_interval", "batch_size", "gradient_accumulation_steps",
+                  "block_size", "n_layer", "n_head", "lr_decay_iters")
     rules = [
-        ("max_iters", config.max_iters >= 0, "an int >= 0"),
-        ("eval_interval", config.eval_interval >= 1, "an int >= 1"),
-        ("eval_iters", config.eval_iters >= 1, "an int >= 1"),
-        ("log_interval", config.log_interval >= 1, "an int >= 1"),
+        *[(key, getattr(config, key) >= 0, "an int >= 0") for key in ("max_iters", "warmup_iters")],
+        *[(key, getattr(config, key) >= 1, "an int >= 1") for key in at_least_1],
         ("wandb_project", config.wandb_project != "", "a non-empty project name"),
-        ("batch_size", config.batch_size >= 1, "an int >= 1"),
-        ("gradient_accumulation_steps", config.gradient_accumulation_steps >= 1, "an int >= 1"),
         ("gradient_accumulation_steps", config.gradient_accumulation_steps % world_size == 0,
          f"a multiple of the {world_size} processes torchrun started (each runs "
          f"gradient_accumulation_steps / {world_size} micro-batches per step)"),
-        ("block_size", config.block_size >= 1, "an int >= 1"),
-        ("n_layer", config.n_layer >= 1, "an int >= 1"),
-        ("n_head", config.n_head >= 1, "an int >= 1"),
         ("n_embd", config.n_embd >= 1 and config.n_embd % max(config.n_head, 1) == 0,
          f"a positive multiple of n_head={config.n_head}"),
         ("n_kv_head", config.n_kv_head == 0 or (config.n_kv_head >= 1 and config.n_head % config.n_kv_head == 0),
          f"0 (as many as n_head) or a divisor of n_head={config.n_head}"),
         ("window", config.window >= -1, "-1 (every key before the query) or an int >= 0"),
-        ("dropout", 0.0 <= config.dropout < 1.0, "in [0, 1)"),
+        *[(key, 0.0 <= getattr(config, key) < 1.0, "in [0, 1)") for key in ("dropout", "beta1", "beta2")],
         ("learning_rate", 0.0 < config.learning_rate < math.inf, "a finite float > 0"),
-        ("min_lr", 0.0 <= config.min_lr < math.inf, "a finite float >= 0"),
-        ("warmup_iters", config.warmup_iters >= 0, "an int >= 0"),
-        ("lr_decay_iters", config.lr_decay_iters >= 1, "an int >= 1"),
-        ("weight_decay", 0.0 <= config.weight_decay < math.inf, "a finite float >= 0"),
-        ("beta1", 0.0 <= config.beta1 < 1.0, "in [0, 1)"),
-        ("beta2", 0.0 <= config.beta2 < 1.0, "in [0, 1)"),
+        *[(key, 0.0 <= getattr(config, key) < math.inf, "a finite float >= 0")
+          for key in ("min_lr", "weight_decay")],
         ("grad_clip", 0.0 <= config.grad_clip < math.inf, "a finite float >= 0 (0: no clipping)"),
         ("max_memory_gb", 0.0 <= config.max_memory_gb < math.inf, "a finite float >= 0 (0: no cap)"),
         ("max_memory_gb", not (config.max_memory_gb and config.device == "cpu"), "0 with device='cpu' (it caps CUDA memory)"),
@@ -418,8 +409,7 @@ class SampleConfig:
 
 def check_sample_config(config):
     rules = [
-        ("num_samples", config.num_samples >= 1, "an int >= 1"),
-        ("max_new_tokens", config.max_new_tokens >= 1, "an int >= 1"),
+        *[(key, getattr(config, key) >= 1, "an int >= 1") for key in ("num_samples", "max_new_tokens")],
         ("temperature", MIN_TEMPERATURE <= config.temperature < math.inf,
          f"a finite float >= {MIN_TEMPERATURE} (for greedy decoding use --top_k=1)"),
         ("top_k", config.top_k >= 0, "an int >= 0 (0: no top-k)"),

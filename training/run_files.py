@@ -165,12 +165,6 @@ def check_rng(states):
     return None
 
 
-def check_scaler(state):
-    ok = isinstance(state, dict) and (not state or set(state) == SCALER_KEYS and all(
-        type(value) in (int, float) and math.isfinite(value) and value >= 0 for value in state.values()))
-    return expect(ok, state, f"a GradScaler's state: empty, or {', '.join(sorted(SCALER_KEYS))} as numbers")
-
-
 CHECKS = {
     "model": lambda value: expect(isinstance(value, dict) and all(isinstance(t, torch.Tensor) for t in value.values()),
                                   value, "a state dict of tensors"),
@@ -179,7 +173,9 @@ CHECKS = {
     "best_val_loss": lambda value: expect(type(value) in (int, float) and value == value, value, "a number (not NaN)"),
     "optimizer": lambda value: expect(isinstance(value, dict) and isinstance(value.get("state"), dict)
                                       and isinstance(value.get("param_groups"), list), value, "an optimizer state dict"),
-    "scaler": check_scaler,
+    "scaler": lambda value: expect(isinstance(value, dict) and (not value or set(value) == SCALER_KEYS and all(
+        type(v) in (int, float) and math.isfinite(v) and v >= 0 for v in value.values())), value,
+        f"a GradScaler's state: empty, or {', '.join(sorted(SCALER_KEYS))} as numbers"),
     "rng": check_rng,
     "gpt2_ids": lambda value: expect(value is None or isinstance(value, list) and all(type(i) is int for i in value)
                                      and all(a < b for a, b in zip(value, value[1:])), value,
@@ -215,8 +211,14 @@ def restore_checkpoint(ckpt, path, model, optimizer, scaler, sampler, device, wo
         model.load_state_dict(ckpt["model"])
         optimizer.load_state_dict(ckpt["optimizer"])
         scaler.load_state_dict(ckpt["scaler"])
-        if world.rank < len(saved_rng):
-            restore_rng_states(saved_rng[world.rank], sampler, device)
+        if world.rank < len(saved_rng):  # every stream rng_states saved
+            states = saved_rng[world.rank]
+            torch.set_rng_state(states["torch"])
+            if states["cuda"] is not None and device.type == "cuda":
+                torch.cuda.set_rng_state(states["cuda"], device)
+            np.random.set_state(numpy_state(states["numpy"]))
+            random.setstate(states["python"])
+            sampler.set_state(states["sampler"])
     except (KeyError, RuntimeError, TypeError, ValueError) as e:
         raise RunFileError(f"{path} does not fit this model and optimizer: {e}") from None
     if world.is_main:
@@ -245,28 +247,25 @@ def rng_states(sampler, device):
     }
 
 
-def restore_rng_states(states, sampler, device):
-    torch.set_rng_state(states["torch"])
-    if states["cuda"] is not None and device.type == "cuda":
-        torch.cuda.set_rng_state(states["cuda"], device)
-    np.random.set_state(numpy_state(states["numpy"]))
-    random.setstate(states["python"])
-    sampler.set_state(states["sampler"])
-
-
 def start_out_dir(out_dir, run_config, resumed_at, eval_pending):
     """Make out_dir this run's (rank 0, under its lock): a run from scratch (resumed_at None)
     removes the checkpoints there; a resumed run keeps the metrics up to its checkpoint's
-    iteration, less that iteration's evaluation if it is to run again."""
+    iteration (the stopped run may have logged past it), less that iteration's evaluation if it
+    is to run again. metrics.jsonl is rewritten atomically, so that it reads as one run."""
     if resumed_at is None:
         for name in (CHECKPOINT_NAME, RESUME_NAME):
             with contextlib.suppress(FileNotFoundError):
                 os.remove(os.path.join(out_dir, name))
     remove_profile(out_dir)
-    reset_metrics(out_dir, lambda record: resumed_at is not None and (
-        record.get("iter", math.inf) < resumed_at
-        or record.get("iter") == resumed_at and not (eval_pending and "val_loss" in record)))
-    write_run_config(out_dir, run_config)
+    metrics_path, config_path = os.path.join(out_dir, METRICS_NAME), os.path.join(out_dir, CONFIG_NAME)
+    kept = []
+    if resumed_at is not None and os.path.exists(metrics_path):
+        kept = [record for record in read_metrics(out_dir) if record.get("iter", math.inf) < resumed_at
+                or record.get("iter") == resumed_at and not (eval_pending and "val_loss" in record)]
+    with writing(metrics_path), write_atomically(metrics_path, "w") as f:
+        f.writelines(json.dumps(record) + "\n" for record in kept)
+    with writing(config_path), open(config_path, "w") as f:
+        f.write(json.dumps(run_config, indent=2) + "\n")
 
 
 def start_wandb(config, run_config, run_id):
@@ -302,7 +301,9 @@ class RunLog:
         self.last_line = time.perf_counter()
 
     def record(self, record):
-        append_metrics(self.config.out_dir, record)
+        path = os.path.join(self.config.out_dir, METRICS_NAME)
+        with writing(path), open(path, "a") as f:
+            f.write(json.dumps(record) + "\n")
         if self.wandb_run is not None:
             self.wandb_run.log({key: value for key, value in record.items() if key != "iter"}, step=record["iter"])
 
@@ -320,12 +321,6 @@ class RunLog:
         evaluations = evaluations - it // config.eval_interval if it < config.max_iters else 0  # after iteration it
         evaluations += eval_pending if eval_left is None else 0  # iteration it's, not started yet
         return tqdm.format_interval((eval_left or 0) + (config.max_iters - it) * step_s + evaluations * eval_s)
-
-
-def write_run_config(out_dir, run_config):
-    path = os.path.join(out_dir, CONFIG_NAME)
-    with writing(path), open(path, "w") as f:
-        f.write(json.dumps(run_config, indent=2) + "\n")
 
 
 def read_run_config(out_dir):
@@ -347,18 +342,3 @@ def read_metrics(out_dir):
         with contextlib.suppress(ValueError):
             records.append(json.loads(line))
     return [record for record in records if isinstance(record, dict)]
-
-
-def reset_metrics(out_dir, keep):
-    """Start out_dir/metrics.jsonl afresh with the records keep(record) is true of, so that the
-    file reads as one run (a stopped run may have logged past its checkpoint)."""
-    path = os.path.join(out_dir, METRICS_NAME)
-    kept = [record for record in read_metrics(out_dir) if keep(record)] if os.path.exists(path) else []
-    with writing(path), write_atomically(path, "w") as f:
-        f.writelines(json.dumps(record) + "\n" for record in kept)
-
-
-def append_metrics(out_dir, record):
-    path = os.path.join(out_dir, METRICS_NAME)
-    with writing(path), open(path, "a") as f:
-        f.write(json.dumps(record) + "\n")
