@@ -252,15 +252,16 @@ def build_step(backend, compile_mode, block_size):
     optimizer = model.configure_optimizers(0.1, 1e-4, (0.9, 0.99), "cuda")
     compile_mode, graphed = compile_mode.removesuffix("+graph"), compile_mode.endswith("+graph")
     run = model if compile_mode == "none" else compile_model(model, compile_mode)
-    batches = [torch.randint(0, defaults.vocab_size, (batch_size, block_size), device="cuda") for _ in range(2)]
+    tokens = [torch.randint(0, defaults.vocab_size, (batch_size, block_size), device="cuda") for _ in range(2)]
+    batches = [(x, x.roll(-1, dims=1)) for x in tokens]  # (x, y) pairs, as StepGraph copies them
 
     def forward_backward(batches):
         optimizer.zero_grad(set_to_none=not graphed)
         loss_sum = torch.zeros((), device="cuda")
-        for x in batches:
+        for x, y in batches:
             torch.compiler.cudagraph_mark_step_begin()
             with torch.autocast("cuda", dtype=torch.bfloat16):
-                _, loss = run(x, x.roll(-1, dims=1))
+                _, loss = run(x, y)
             loss_sum += loss.detach()
             (loss / len(batches)).backward()
         return loss_sum

@@ -4,16 +4,11 @@
     python sample.py --out_dir=out-tiny --start=FILE:data/shakespeare/prompt.txt --num_samples=3 --attn=sdpa
     python sample.py --benchmark=True --init_from=random --max_new_tokens=255 --num_samples=1
 
---start is the prompt, or FILE:path to read it from a file (relative to the current directory).
-A model trained here knows only the GPT-2 tokens of its training text, which never holds
-GPT-2's <|endoftext|>: a prompt with a token it never saw is refused, naming it. --attn picks
-the backend (by default the checkpoint's). --kv_cache=True (the default) feeds one new token a
-step, on a GPU from a CUDA graph; --compile=True compiles that step first. In bf16 the weights
-are cast once (training/devices.py, generation_precision). Each sample's speed goes to stderr.
-
---benchmark=True prints decode tokens/s with and without the cache, a row per backend; on the
-CPU without the Triton ones (their interpreter's speed says nothing) unless --attn names one.
-Settings are SampleConfig's fields (training/config.py), listed below.
+--start is the prompt, or FILE:path to read it from (relative to the current directory). A model
+trained here knows only its text's GPT-2 tokens, never <|endoftext|>: a prompt with a token it
+never saw is refused, naming it. --kv_cache=True feeds one new token a step, on a GPU from a CUDA
+graph (--compile=True compiles that step). --benchmark=True prints decode tokens/s with and
+without the cache per backend (on the CPU not the Triton ones, unless --attn names one).
 
 Exit status: 0 done; 1 an error stopped it (no usable checkpoint); 2 bad configuration: a
 setting wrong in itself or one that cannot run here (no GPU for --device=cuda, an unreadable

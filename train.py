@@ -5,13 +5,11 @@
     python train.py configs/tiny.py --init_from=resume    # continue a stopped run
     torchrun --standalone --nproc_per_node=2 train.py --attn=triton   # data-parallel, 2 GPUs
 
-Settings are TrainConfig's fields (training/config.py), listed below. Paths are relative to the
-current directory, except the default data_dir, data/shakespeare in the repo. A run holds its
-out_dir alone and writes there config.json, metrics.jsonl, ckpt.pt (the best checkpoint) and,
-when a signal stops it, resume.pt (training/run_files.py). Under torchrun rank 0 alone logs,
-evaluates and saves. SIGINT, SIGTERM or SIGHUP finishes the current iteration (or evaluation
-batch), saves resume.pt and exits; --init_from=resume goes on as an uninterrupted run would. A
-second signal stops at once.
+Paths are relative to the current directory (the default data_dir is data/shakespeare in the
+repo). A run holds its out_dir alone and writes there config.json, metrics.jsonl, ckpt.pt (the
+best checkpoint) and, when SIGINT, SIGTERM or SIGHUP stops it after the current iteration,
+resume.pt, from which --init_from=resume goes on as an uninterrupted run would. A second signal
+stops at once. Under torchrun rank 0 alone logs, evaluates and saves.
 
 Exit status:
     0              the run reached max_iters
@@ -46,8 +44,7 @@ from data.batches import DataError, load_batches
 from data.shakespeare.prepare import PrepareError
 from model import GPT, compile_model, labelled
 from training.devices import (StepGraph, StopSignals, World, autocast, cap_memory, choose_cpu_threads, is_out_of_memory,
-                              out_of_memory_message, peak_flops, peak_memory_mb, pick_device, pick_dtype, synchronize,
-                              warn_if_sized_for_a_gpu)
+                              out_of_memory_message, peak_flops, peak_memory_mb, pick_device, pick_dtype, synchronize)
 from training.profiling import OPTIMIZER_RANGE, step_profiler, stop_profiler
 from training.run_files import (RunFileError, RunLog, check_fits, load_checkpoint, out_dir_lock, restore_checkpoint,
                                 resume_point, rng_states, save_checkpoint, start_out_dir, start_wandb)
@@ -341,7 +338,11 @@ class Trainer:
               f"cuda_graph={config.cuda_graph}, {self.tokens_per_iter:,} tokens per iteration{processes}")
         if self.device.type == "cpu":
             print(self.threads)
-            warn_if_sized_for_a_gpu(self.raw_model.flops_per_token() * self.tokens_per_iter)
+        flop_per_iter = self.raw_model.flops_per_token() * self.tokens_per_iter
+        if self.device.type == "cpu" and flop_per_iter > 1e11:  # the CPU trains at 1e10-1e11 FLOP/s
+            print(f"warning: this config is sized for a GPU ({flop_per_iter / 1e12:.1f} TFLOP per iteration) and runs "
+                  "on the CPU, where each iteration and evaluation batch may take minutes; configs/tiny.py is sized "
+                  "for a CPU (python train.py configs/tiny.py)", file=sys.stderr)
 
 
 def train(config, world):

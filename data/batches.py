@@ -1,9 +1,6 @@
-"""Token files on disk -> checked memmaps -> random (x, y) batches for training.
-
-A data folder holds train.bin and val.bin (flat arrays of token ids) and meta.json (their
-dtype, vocabulary, token and character counts). Each file is checked against meta.json before
-training starts, so a missing, truncated or wrong-dtype file is a clear DataError, not a crash
-half an hour in, and a block_size longer than the data a ConfigError.
+"""Token files on disk -> checked memmaps -> random (x, y) batches. A data folder holds train.bin
+and val.bin (flat token ids) and meta.json (dtype, vocabulary, token and character counts); each
+file is checked against meta.json before training, so a bad one is a clear DataError at once.
 """
 import json
 import os

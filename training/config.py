@@ -1,15 +1,10 @@
-"""The scripts' settings: a dataclass of typed defaults, then config files, then --key=value.
+"""The scripts' settings: a dataclass of typed defaults, then config files (Python whose top-level
+assignments set keys), then --key=value or --key value. Every value is checked against its
+field's type and `choice`s, so a typo stops the script in one line (exit status 2); --help lists
+each key with its default and meaning (the comment ending its line). No torch here, so --help
+and a bad setting answer at once. Also the exit statuses, a run's file names and the checks.
 
     config = parse_config(TrainConfig, check=check_config, usage=__doc__)   # reads sys.argv[1:]
-    python train.py configs/tiny.py --max_iters=50 --attn=sdpa
-
-Positional arguments are config files, Python whose top-level assignments set keys, applied in
-order; `--key=value` (or `--key value`) overrides come after them all. Every value is checked
-against its field's type and `choice`s, so a typo stops the script in one line (exit status 2)
-instead of training with a default. `--help` lists each key with its default and meaning: the
-comment ending the key's line in the dataclass. This module imports no torch, so --help and a
-bad setting answer at once; it also holds the exit statuses, a run's file names, and the
-scripts' settings with their checks (compare.py checks train.py's before any run).
 """
 import dataclasses
 import difflib

@@ -8,7 +8,6 @@ run is a ConfigError (exit 2), like any other bad setting.
 import contextlib
 import os
 import signal
-import sys
 import threading
 
 import torch
@@ -68,24 +67,15 @@ def choose_cpu_threads(flop_per_call, processes=1):
     return f"CPU threads: {threads} of {cores} cores (OMP_NUM_THREADS=n sets another count)"
 
 
-def warn_if_sized_for_a_gpu(flop_per_iter):
-    """Warn of a run sized for a GPU on the CPU (1e10-1e11 FLOP/s): iterations of minutes."""
-    if flop_per_iter > 1e11:
-        print(f"warning: this config is sized for a GPU ({flop_per_iter / 1e12:.1f} TFLOP per iteration) and runs on the "
-              "CPU, where each iteration and evaluation batch may take minutes; configs/tiny.py is sized for a CPU "
-              "(python train.py configs/tiny.py)", file=sys.stderr)
-
-
 def autocast(device, dtype):
     """Mixed precision for the forward pass; weights and optimizer state stay fp32."""
     return contextlib.nullcontext() if dtype == torch.float32 else torch.autocast(device.type, dtype=dtype)
 
 
 def generation_precision(model, device, dtype):
-    """Put model (fp32, on device) in the precision it generates in; returns the context to call
-    model.generate under. bfloat16 casts the weights once: under autocast every token would cast
-    every weight again, as the decoder's CUDA graph cannot keep autocast's cache, and bf16 has
-    fp32's range. float16 overflows past 65504, so its weights stay fp32 under autocast."""
+    """Put model (fp32, on device) in the precision it generates in; returns the context to generate under.
+    bf16 casts the weights once (autocast would cast them at every token: the decoder's CUDA graph
+    cannot keep its cache); fp16 overflows past 65504, so its weights stay fp32 under autocast."""
     if dtype == torch.bfloat16:
         model.to(dtype)
         return contextlib.nullcontext()
@@ -124,8 +114,7 @@ def cap_memory(device, max_gb, announce):
 
 
 def is_out_of_memory(error):
-    """The GPU's allocator raises torch.OutOfMemoryError; the host's raise a RuntimeError
-    (torch's CPU allocator) or MemoryError (numpy, Python)."""
+    """torch.OutOfMemoryError on the GPU; a RuntimeError (torch's CPU allocator) or MemoryError on the host."""
     return (isinstance(error, (torch.OutOfMemoryError, MemoryError))
             or "DefaultCPUAllocator: can't allocate memory" in str(error))
 
@@ -198,14 +187,10 @@ class World:
 
 
 class StopSignals:
-    """SIGINT, SIGTERM and SIGHUP ask train.py to stop at the next iteration boundary, where
-    model, optimizer and random streams agree, so the checkpoint saved there resumes exactly.
-    A second signal stops the process at once without saving, exit status 128 + its number.
-
-    Python runs handlers in the main thread between bytecodes, so two signals during one long
-    torch call would run one; its C-level handler also writes a byte per signal to the wakeup
-    fd, which a thread counts, so no signal is lost and a stuck main thread cannot delay the
-    stop. Under torchrun, signal torchrun: it passes the signal on to every process."""
+    """SIGINT, SIGTERM and SIGHUP ask train.py to stop at the next iteration boundary, where the
+    checkpoint resumes exactly; a second stops the process at once without saving (exit 128 +
+    its number). Two signals during one long torch call would run Python's handler once, so a
+    thread counts the bytes the C handler writes to the wakeup fd. Under torchrun, signal torchrun."""
 
     SIGNALS = (signal.SIGINT, signal.SIGTERM, signal.SIGHUP)
 
@@ -238,16 +223,11 @@ class StopSignals:
 
 
 class StepGraph:
-    """A training step's forward and backward as one CUDA graph (train.py's cuda_graph): the
-    default model's hundreds of small kernels, issued one by one from Python, let the host set
-    the pace; a graph launches them all with one call.
-
-    forward_backward(batches) returns the loss sum and leaves the gradients in .grad, zeroed in
-    place (the graph writes them where the last step left them); the optimizer stays outside,
-    so train.py still skips a step whose loss is not finite. The first call runs uncaptured on a
-    side stream (it compiles and tunes), the second captures and replays, later ones copy their
-    batches (of the first call's shapes) into the captured ones and replay. Dropout draws new
-    numbers at every replay (capture registers torch's CUDA generator)."""
+    """A step's forward and backward as one CUDA graph (train.py's cuda_graph), so that the host
+    issuing hundreds of small kernels one by one no longer sets the pace. forward_backward(batches)
+    returns the loss sum and leaves the gradients in .grad (zeroed in place); the optimizer stays
+    outside. The first call runs uncaptured on a side stream (it compiles and tunes), the second
+    captures, later ones copy their batches into the captured ones and replay."""
 
     def __init__(self, forward_backward):
         self.forward_backward = forward_backward

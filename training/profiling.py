@@ -1,13 +1,11 @@
 """Where a training step's time goes: torch.profiler over a few steady steps, the device time
-sorted into the parts of a GPT step, and what attention keeps in memory. train.py
---profile=True writes out_dir/profile.json (and profile_trace.json for Perfetto); compare.py
---profile=True draws every backend's side by side.
+sorted into the parts of a GPT step (CATEGORIES), and what attention keeps in memory; train.py
+--profile=True writes out_dir/profile.json and profile_trace.json, compare.py draws them.
 
-Each GPU kernel (on the CPU, each op's own time) goes to a category: attention forward (inside
-model.py's "attention" range), attention backward (run by an autograd node that a forward op
-in that range made: both carry its sequence number), output layer + loss and optimizer (their
-ranges, likewise), matmuls (any other), everything else, and idle (the step's wall time with
-nothing running). Compiled code hides the ranges in places: those kernels are sorted by name.
+A kernel (on the CPU, an op's own time) launched inside model.py's "attention" range is
+attention forward; one run by an autograd node that such an op made (both carry its sequence
+number) is attention backward; likewise the output layer and loss, and the optimizer; any other
+matmul is matmuls. Compiled code hides the ranges in places: there kernels are sorted by name.
 """
 import contextlib
 import json
@@ -50,8 +48,14 @@ def step_profiler(out_dir, skip_steps, model, batch, amp, **labels):
         # CPU ranges only: on a GPU each step's range also shows up as a GPU-side annotation.
         steps = sum(e.name.startswith("ProfilerStep") and e.device_type == DeviceType.CPU for e in events)
         if steps == PROFILE_STEPS:
-            print(write_profile(out_dir, {**attribute(events), **labels, "peak_mem_mb": peak_memory_mb(batch[0].device),
-                                          "attention_saved_mb": attention_saved_mb(model, *batch, amp)}))
+            result = {**attribute(events), **labels, "peak_mem_mb": peak_memory_mb(batch[0].device),
+                      "attention_saved_mb": attention_saved_mb(model, *batch, amp)}
+            with write_atomically(os.path.join(out_dir, PROFILE_NAME), "w") as f:
+                f.write(json.dumps(result, indent=2) + "\n")
+            unit = "GPU kernels" if result["device"] == "cuda" else "CPU ops"
+            print(f"profiled {result['steps']} steps: {result['step_ms']:.1f} ms/step, "
+                  + ", ".join(f"{category} {ms:.2f}" for category, ms in result["ms"].items())
+                  + f" (ms, {unit}); {os.path.join(out_dir, PROFILE_NAME)}")
             prof.export_chrome_trace(os.path.join(out_dir, TRACE_NAME))
 
     profiler = profile(activities=activities, on_trace_ready=ready,
@@ -175,17 +179,6 @@ def attention_saved_mb(model, x, y, amp):
     return sum(saved.values()) / 2**20
 
 
-def write_profile(out_dir, result):
-    """out_dir/profile.json; returns the line that sums it up."""
-    path = os.path.join(out_dir, PROFILE_NAME)
-    with write_atomically(path, "w") as f:
-        json.dump(result, f, indent=2)
-        f.write("\n")
-    unit = "GPU kernels" if result["device"] == "cuda" else "CPU ops"
-    return (f"profiled {result['steps']} steps: {result['step_ms']:.1f} ms/step, "
-            + ", ".join(f"{category} {ms:.2f}" for category, ms in result["ms"].items()) + f" (ms, {unit}); {path}")
-
-
 def stop_profiler(profiler, out_dir, skip_steps):
     """Stop the profiler, warning when the run ended before its steps were recorded."""
     profiler.stop()
@@ -203,8 +196,5 @@ def remove_profile(out_dir):
 
 def read_profile(out_dir):
     """out_dir/profile.json, or None when the run did not profile."""
-    path = os.path.join(out_dir, PROFILE_NAME)
-    if not os.path.exists(path):
-        return None
-    with open(path) as f:
+    with contextlib.suppress(FileNotFoundError), open(os.path.join(out_dir, PROFILE_NAME)) as f:
         return json.load(f)

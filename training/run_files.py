@@ -1,18 +1,9 @@
 """What a training run keeps in its out_dir (and sends to wandb), checked when read, written
-whole or not at all.
-
-    ckpt.pt        the best checkpoint by val loss: weights, optimizer, random streams; what
-                   sample.py reads
-    resume.pt      the same, saved where a signal stopped the run, never over ckpt.pt;
-                   --init_from=resume continues from it, else from ckpt.pt
-    config.json    the run's settings and what they resolved to, as logged to wandb
-    metrics.jsonl  one JSON record a line: log records (LOG_KEYS) and evaluations (EVAL_KEYS;
-                   losses in nats per token, val_bpc in bits per character)
-
-Checkpoints and a reset metrics.jsonl are written atomically (prepare.write_atomically). Rank 0
-alone writes, holding out_dir's lock for the whole run. A failed write or an unusable file is a
-one-line RunFileError. Checkpoints hold only tensors and plain values, so they load with
-weights_only=True, and every entry is checked before anything trusts it (check_checkpoint).
+whole or not at all: ckpt.pt (the best checkpoint by val loss, what sample.py reads), resume.pt
+(where a signal stopped the run, never over ckpt.pt), config.json (the settings, resolved) and
+metrics.jsonl (a JSON record a line: LOG_KEYS and EVAL_KEYS). Rank 0 alone writes, holding
+out_dir's lock; a failed write or an unusable file is a one-line RunFileError. Checkpoints hold
+only tensors and plain values (torch.load's weights_only=True), checked before anything trusts them.
 """
 import contextlib
 import dataclasses

@@ -2,17 +2,12 @@
 
     python data/shakespeare/prepare.py [--input PATH] [--out_dir DIR]
 
-input.txt comes from --input, else $TINYSHAKESPEARE_PATH, else a copy in the output folder, else
-a download of the char-rnn copy nanoGPT uses. Offline (use_shared_data), a folder shared/data
-beside the repo fills in TINYSHAKESPEARE_PATH and TIKTOKEN_CACHE_DIR (tiktoken's cached gpt2
-vocabulary) where they are unset: shared/data/tinyshakespeare/input.txt, shared/data/tiktoken_cache/.
-
-The first 90% of characters become train, the rest val (301,966 and 36,059 tokens). The GPT-2
-ids the text uses are renumbered densely (DenseVocab) and stored as uint16. meta.json records
-the dtype, the vocabulary (gpt2_ids: dense id -> GPT-2 id), and the token and character counts,
-so that a reader can tell a truncated file and convert nats per token to bits per character.
-Every file is written atomically (write_atomically), meta.json last, under the folder's lock:
-running the script twice, or several at once, is harmless.
+input.txt comes from --input, $TINYSHAKESPEARE_PATH, a copy in the output folder, or a download.
+Offline, shared/data beside the repo fills in TINYSHAKESPEARE_PATH (tinyshakespeare/input.txt)
+and TIKTOKEN_CACHE_DIR (tiktoken_cache/) where unset. The first 90% of characters are train,
+the rest val; the GPT-2 ids the text uses are renumbered densely (DenseVocab), as uint16.
+meta.json (written last) holds the dtype, gpt2_ids, token and character counts. Every file is
+written atomically under the folder's lock, so running the script twice, or at once, is harmless.
 """
 import argparse
 import contextlib
