@@ -41,8 +41,8 @@ class BenchConfig:
     providers: str = "triton,sdpa_flash,sdpa_cudnn"  # mode=grid: comma-separated, of triton, triton_fwd, sdpa_flash (FlashAttention-2), sdpa_cudnn, sdpa_efficient, eager, tiled
     backends: str = "eager,sdpa,triton"  # mode=step: the attention backends to train with
     compile_modes: str = "none,default,default+graph"  # mode=step: none (uncompiled) or a torch.compile mode; +graph: the step's CUDA graph
-    block_sizes: str = "512"  # mode=step: comma-separated contexts, e.g. 256,512,1024,4096; batch_size keeps 4 x 512 tokens
-    max_memory_gb: float = 0.0  # mode=step: cap torch's CUDA memory at this many GiB (12: act as a 12 GB card); 0: no cap
+    block_sizes: str = "512"  # mode=step: comma-separated contexts, e.g. 256,512,4096; 2,048 tokens a micro-batch
+    max_memory_gb: float = 0.0  # mode=step: cap torch's CUDA memory at this many GiB (12: a 12 GB card); 0: no cap
     rep_ms: int = 100  # do_bench's timing window per measurement, ms
     out: str = "bench-out"  # folder for the results
 

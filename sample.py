@@ -14,6 +14,7 @@ Exit status: 0 done; 1 an error stopped it (no usable checkpoint); 2 bad configu
 setting wrong in itself or one that cannot run here (no GPU for --device=cuda, an unreadable
 prompt file, a prompt the model has no tokens for, a head dim the backend cannot take).
 """
+import contextlib
 import sys
 import time
 from dataclasses import replace
@@ -80,11 +81,9 @@ def build_model(model_args, state, attn, device, dtype, compile_decode):
 
 
 def can_run(attn, model_args):
-    try:
-        check_attn_head_dim(attn, model_args.n_embd, model_args.n_head)
-    except ConfigError:
-        return False
-    return True
+    with contextlib.suppress(ConfigError):
+        return check_attn_head_dim(attn, model_args.n_embd, model_args.n_head) is None
+    return False
 
 
 def benchmark(model_args, state, prompt_ids, device, dtype):

@@ -1,4 +1,2 @@
-"""Datasets: data/<name>/prepare.py writes token files, data/batches.py reads them.
-
-A regular package (not a namespace one), so no installed module named `data` can shadow it.
-"""
+"""Datasets: data/<name>/prepare.py writes token files, data/batches.py reads them. A regular
+package, so that no installed module named `data` can shadow it."""

@@ -23,16 +23,13 @@ def is_positive_int(value):
     return type(value) is int and value >= 1  # bool is a subclass of int, hence no isinstance
 
 
-def is_id_list(value):
-    return isinstance(value, list) and all(type(i) is int and i >= 0 for i in value)
-
-
 # Every field of meta.json the readers use -> (check, what was expected). A folder whose
 # meta.json lacks one (an older prepare.py wrote it) is prepared again (is_prepared).
 META_FIELDS = {
     "dtype": (lambda value: value in TOKEN_DTYPES, f"one of {', '.join(TOKEN_DTYPES)}"),
     "vocab_size": (lambda value: is_positive_int(value) and value >= 2, "an int >= 2 (one token leaves nothing to predict)"),
-    "gpt2_ids": (is_id_list, "a list of GPT-2 token ids (ints >= 0)"),
+    "gpt2_ids": (lambda value: isinstance(value, list) and all(type(i) is int and i >= 0 for i in value),
+                 "a list of GPT-2 token ids (ints >= 0)"),
     "train_tokens": (is_positive_int, "an int >= 1"),
     "val_tokens": (is_positive_int, "an int >= 1"),
     "train_chars": (is_positive_int, "an int >= 1"),

@@ -356,12 +356,11 @@ def check_folder(key, path, writable):
     existing = os.path.abspath(path)
     while not os.path.exists(existing):
         existing = os.path.dirname(existing)
-    if not os.path.isdir(existing):
-        raise ConfigError(f"{key}={path!r}: cannot write there (Not a directory: {existing} is a file); "
-                          "expected a folder this user can write (made if missing)")
-    if writable and not os.access(existing, os.W_OK | os.X_OK):
-        raise ConfigError(f"{key}={path!r}: cannot write there (Permission denied in {existing}); "
-                          "expected a folder this user can write (made if missing)")
+    problem = (f"Not a directory: {existing} is a file" if not os.path.isdir(existing) else
+               f"Permission denied in {existing}" if writable and not os.access(existing, os.W_OK | os.X_OK) else None)
+    if problem:
+        raise ConfigError(f"{key}={path!r}: cannot write there ({problem}); expected a folder this user can write "
+                          "(made if missing)")
 
 
 def check_no_run(config):

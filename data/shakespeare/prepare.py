@@ -46,13 +46,10 @@ class DenseVocab:
         if np.any(np.diff(self.gpt2_ids) <= 0):
             raise ValueError("gpt2_ids: expected strictly increasing GPT-2 token ids")
 
-    def __len__(self):
-        return len(self.gpt2_ids)
-
     def to_dense(self, gpt2_tokens):
         """GPT-2 ids -> dense ids (int64 array); ValueError naming the first id it lacks."""
         gpt2_tokens = np.asarray(gpt2_tokens, dtype=np.int64)
-        dense = np.searchsorted(self.gpt2_ids, gpt2_tokens).clip(max=len(self) - 1)
+        dense = np.searchsorted(self.gpt2_ids, gpt2_tokens).clip(max=len(self.gpt2_ids) - 1)
         missing = gpt2_tokens[self.gpt2_ids[dense] != gpt2_tokens]
         if len(missing):
             raise ValueError(f"GPT-2 token {int(missing[0])} is not in the vocabulary (the corpus never uses it)")
@@ -101,10 +98,10 @@ def write_dataset(out_dir, input_path):
     gpt2_tokens = {split: np.array(encoder.encode_ordinary(split_text), dtype=np.int64)
                    for split, split_text in splits.items()}
     vocab = DenseVocab(np.unique(np.concatenate(list(gpt2_tokens.values()))))
-    if len(vocab) < 2:
-        raise PrepareError(f"the text gives a vocabulary of {len(vocab)} token ({len(text):,} characters): "
+    if len(vocab.gpt2_ids) < 2:
+        raise PrepareError(f"the text gives a vocabulary of {len(vocab.gpt2_ids)} token ({len(text):,} characters): "
                            "there is nothing to predict; use a real text")
-    meta = {"encoding": ENCODING, "vocab_size": len(vocab), "dtype": np.dtype(TOKEN_DTYPE).name}
+    meta = {"encoding": ENCODING, "vocab_size": len(vocab.gpt2_ids), "dtype": np.dtype(TOKEN_DTYPE).name}
     for split, tokens in gpt2_tokens.items():
         dense = vocab.to_dense(tokens).astype(TOKEN_DTYPE)
         with write_atomically(os.path.join(out_dir, f"{split}.bin")) as f:
