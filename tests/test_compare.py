@@ -1,7 +1,8 @@
 """compare.py on the CPU: every backend trains configs/tiny.py (shrunk to batches of 2
-sequences of 32 tokens, one batch an evaluation, so the Triton interpreter is quick), the report and figure are written, and each backend's
-loss curves stay within LOSS_TOLERANCE of eager's; --from_runs compares finished runs; bad
-arguments stop it first."""
+sequences of 32 tokens, one batch an evaluation, so the Triton interpreter is quick), with
+grouped-query attention (one kv head for its two query heads) and a sliding window of 8 keys;
+the report and figure are written, and each backend's loss curves stay within LOSS_TOLERANCE of
+eager's; --from_runs compares finished runs; bad arguments stop it first."""
 import json
 import math
 import os
@@ -39,7 +40,8 @@ def curve(out_dir, key):
 def comparison(data_dir, tmp_path_factory):
     out = tmp_path_factory.mktemp("compare")
     result = run_script("compare.py", "configs/tiny.py", f"--data_dir={data_dir}", "--block_size=32", "--batch_size=2",
-                        "--max_iters=8", "--eval_interval=4", "--eval_iters=1", f"--out={out}", timeout=600)
+                        "--max_iters=8", "--eval_interval=4", "--eval_iters=1", "--n_kv_head=1", "--window=8",
+                        f"--out={out}", timeout=600)
     assert result.returncode == 0, result.stderr
     return out, result
 
