@@ -347,7 +347,7 @@ class Trainer:
 
 def train(config, world):
     """Build the run, then run it holding out_dir. The Trainer (its DDP model holds the process
-    group) is freed when this returns, before World.stop destroys the group."""
+    group) must be freed before World.stop destroys the group, which collects it if a cycle holds it."""
     trainer = Trainer(config, world)
     with out_dir_lock(config.out_dir) if world.is_main else contextlib.nullcontext():
         return trainer.run()

@@ -6,6 +6,7 @@ autocast where it supports it, else fp16, and fp32 on the CPU. A setting this ma
 run is a ConfigError (exit 2), like any other bad setting.
 """
 import contextlib
+import gc
 import os
 import signal
 import threading
@@ -155,7 +156,12 @@ class World:
         return device
 
     def stop(self):
+        """Free what holds the process group (the DDP model) before destroying the group: a
+        reference cycle can keep it alive past the run (torch 2.13's AdamW keeps its caller's
+        frame, and with it the trainer), and freed after the group, a torchrun process aborts at
+        exit ("terminate called without an active exception")."""
         if self.distributed and dist.is_initialized():
+            gc.collect()
             dist.destroy_process_group()
 
     def barrier(self):
