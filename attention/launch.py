@@ -154,7 +154,7 @@ def fitting_configs(configs, smem_rows, tensor, head_dim, n_q, n_k):
     return short or [min(fits, key=lambda c: c.kwargs["BLOCK_M"] * c.kwargs["BLOCK_N"])]
 
 
-def autotuned(configs, smem_rows, key, tensor_arg="Q", rows_args=("N_Q", "N_K")):
+def autotuned(configs, smem_rows, key):
     """triton.autotune over configs (best first), keyed on key (argument names; Triton adds the
     tensors' dtypes), pruned to the first TIMED_CONFIGS that fit (fitting_configs) and timed
     replayed from a CUDA graph, so the ranking is of the kernels' GPU time, not of their
@@ -165,8 +165,8 @@ def autotuned(configs, smem_rows, key, tensor_arg="Q", rows_args=("N_Q", "N_K"))
     while timing is harmless."""
 
     def prune(configs, named_args, **kwargs):
-        tensor, head_dim = named_args[tensor_arg], kwargs["HEAD_DIM"]
-        candidates = fitting_configs(configs, smem_rows, tensor, head_dim, *(named_args[a] for a in rows_args))
+        candidates = fitting_configs(configs, smem_rows, named_args["Q"], kwargs["HEAD_DIM"], named_args["N_Q"],
+                                     named_args["N_K"])
         if INTERPRETING:
             return [max(candidates, key=lambda c: c.kwargs["BLOCK_M"] * c.kwargs["BLOCK_N"])]
         if torch.cuda.is_current_stream_capturing():

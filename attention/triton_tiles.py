@@ -87,9 +87,9 @@ def head_matrix(T, b, h, stride_b, stride_h, stride_n, N,
 
 
 @triton.jit
-def tile_mask(rows, N, HEAD_DIM: tl.constexpr, BLOCK_D: tl.constexpr):
+def in_bounds(rows, N, HEAD_DIM: tl.constexpr, BLOCK_D: tl.constexpr):
     """Which elements of a (rows, BLOCK_D) tile exist: rows before N, and, where the head dim is
-    padded, its first HEAD_DIM columns."""
+    padded, its first HEAD_DIM columns. (Not a mask of scores: that is visible_in_tile.)"""
     mask = rows[:, None] < N
     if HEAD_DIM != BLOCK_D:
         mask = mask & (tl.arange(0, BLOCK_D)[None, :] < HEAD_DIM)
@@ -105,7 +105,7 @@ def load_tile(matrix, start, N, stride_n, BLOCK: tl.constexpr, HEAD_DIM: tl.cons
     else:
         rows = start + tl.arange(0, BLOCK)
         tile = tl.load(matrix + rows[:, None] * stride_n + tl.arange(0, BLOCK_D)[None, :],
-                       mask=tile_mask(rows, N, HEAD_DIM, BLOCK_D), other=0.0)
+                       mask=in_bounds(rows, N, HEAD_DIM, BLOCK_D), other=0.0)
     return tile
 
 
@@ -118,4 +118,4 @@ def store_tile(matrix, start, N, stride_n, tile, BLOCK: tl.constexpr, HEAD_DIM: 
     else:
         rows = start + tl.arange(0, BLOCK)
         tl.store(matrix + rows[:, None] * stride_n + tl.arange(0, BLOCK_D)[None, :],
-                 tile.to(matrix.dtype.element_ty), mask=tile_mask(rows, N, HEAD_DIM, BLOCK_D))
+                 tile.to(matrix.dtype.element_ty), mask=in_bounds(rows, N, HEAD_DIM, BLOCK_D))
