@@ -40,7 +40,7 @@ import torch
 from torch.nn.parallel import DistributedDataParallel
 from tqdm import tqdm
 
-from data.batches import DataError, load_batches
+from data.batches import DataError, ShortDataError, load_batches
 from data.shakespeare.prepare import PrepareError
 from model import GPT, compile_model, labelled
 from training.devices import (StepGraph, StopSignals, World, autocast, cap_memory, choose_cpu_threads, is_out_of_memory,
@@ -363,7 +363,7 @@ def main():
         # These meet every process alike, so rank 0 speaks for all.
         if world.is_main:
             print(f"error: {e}", file=sys.stderr)
-    except ConfigError as e:  # one the machine or the data refuses, a held out_dir, no wandb login
+    except (ConfigError, ShortDataError) as e:  # one the machine or the data refuses, a held out_dir, no wandb login
         print(f"config error: {e}", file=sys.stderr)
         status = EXIT_BAD_CONFIG
     except (RuntimeError, MemoryError) as e:

@@ -10,7 +10,6 @@ import numpy as np
 import torch
 
 from data.shakespeare.prepare import prepare
-from training.config import ConfigError
 
 SPLITS = ("train", "val")
 # Fewer train tokens than this is a text a model learns by heart within a few hundred steps,
@@ -39,6 +38,11 @@ META_FIELDS = {
 
 class DataError(RuntimeError):
     pass
+
+
+class ShortDataError(ValueError):
+    """A split shorter than the block_size asked: a setting this data cannot run, which train.py
+    reports as a config error (exit 2) rather than as bad data."""
 
 
 def is_prepared(data_dir):
@@ -112,7 +116,7 @@ def open_split(data_dir, split, meta, block_size):
             raise DataError(f"{path} holds token id {token_id}, outside the vocabulary of {meta['vocab_size']} "
                             f"(ids 0 to {meta['vocab_size'] - 1}; wrong dtype or a different tokenizer?). {redo}")
     if len(tokens) <= block_size:
-        raise ConfigError(f"block_size={block_size} needs at least {block_size + 1} tokens per sample, "
+        raise ShortDataError(f"block_size={block_size} needs at least {block_size + 1} tokens per sample, "
                           f"but {path} has {len(tokens):,}; use a smaller block_size")
     return tokens
 

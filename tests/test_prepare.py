@@ -1,13 +1,16 @@
-"""data/shakespeare/prepare.py: the real token counts, atomic re-runs, and clear errors."""
+"""data/shakespeare/prepare.py: the real token counts, atomic re-runs, and clear errors; and
+data/ standing below training/ (scripts -> training/ -> data/, never back)."""
 import hashlib
 import json
 import os
+import subprocess
+import sys
 import urllib.error
 
 import numpy as np
 import pytest
 
-from conftest import run_script
+from conftest import REPO, run_script
 from data.shakespeare import prepare as prepare_module
 from data.shakespeare.prepare import DenseVocab, PrepareError, prepare
 
@@ -122,3 +125,11 @@ def test_shared_data_beside_the_repo_fills_in_unset_variables_only(tmp_path, mon
     prepare_module.use_shared_data()
     assert os.environ[prepare_module.INPUT_VAR] == str(tmp_path / "tinyshakespeare" / "input.txt")
     assert os.environ[prepare_module.TIKTOKEN_VAR] == "/my/cache"
+
+
+def test_the_data_package_imports_nothing_from_training():
+    probe = ("import sys, data.batches, data.files, data.shakespeare.prepare\n"
+             "print(sorted(name for name in sys.modules if name.split('.')[0] == 'training'))")
+    result = subprocess.run([sys.executable, "-c", probe], cwd=REPO, capture_output=True, text=True, timeout=120)
+    assert result.returncode == 0, result.stderr
+    assert result.stdout.split() == ["[]"]

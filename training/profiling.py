@@ -16,7 +16,7 @@ import torch
 from torch.autograd import DeviceType
 from torch.profiler import ProfilerActivity, profile, schedule
 
-from data.shakespeare.prepare import write_atomically
+from data.files import write_atomically
 from model import ATTENTION_RANGE, OUTPUT_RANGE
 from training.devices import peak_memory_mb
 

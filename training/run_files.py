@@ -19,7 +19,7 @@ import numpy as np
 import torch
 from tqdm import tqdm
 
-from data.shakespeare.prepare import folder_lock, write_atomically
+from data.files import folder_lock, write_atomically
 from model import GPTConfig
 from training.config import BACKENDS, CHECKPOINT_NAME, CONFIG_NAME, METRICS_NAME, RESUME_NAME, ConfigError
 from training.profiling import remove_profile

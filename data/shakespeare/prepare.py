@@ -10,8 +10,6 @@ meta.json (written last) holds the dtype, gpt2_ids, token and character counts. 
 written atomically under the folder's lock, so running the script twice, or at once, is harmless.
 """
 import argparse
-import contextlib
-import fcntl
 import json
 import os
 import sys
@@ -21,6 +19,10 @@ import urllib.request
 from pathlib import Path
 
 import numpy as np
+
+if __name__ == "__main__":  # run as a script: Python puts this folder on the path, not the repo root that holds data/
+    sys.path.insert(0, str(Path(__file__).resolve().parents[2]))
+from data.files import folder_lock, write_atomically  # noqa: E402
 
 DEFAULT_OUT_DIR = os.path.dirname(os.path.abspath(__file__))
 SHARED_DATA = Path(DEFAULT_OUT_DIR).parent.parent.parent / "shared" / "data"  # beside the repo
@@ -72,18 +74,6 @@ def prepare(out_dir=DEFAULT_OUT_DIR, input_path=None, skip_if=None):
             return write_dataset(out_dir, input_path)
     except OSError as e:  # a file where the folder should be, no permission, a full disk
         raise PrepareError(f"cannot write the data to {out_dir!r}: {e.strerror or e} ({e.filename or out_dir})") from None
-
-
-@contextlib.contextmanager
-def folder_lock(path, wait=True):
-    """Exclusive use of a folder, by flock on the folder itself (no lock file to leave behind);
-    wait=False raises BlockingIOError when another process holds it."""
-    fd = os.open(path, os.O_RDONLY)
-    try:
-        fcntl.flock(fd, fcntl.LOCK_EX | (0 if wait else fcntl.LOCK_NB))
-        yield
-    finally:
-        os.close(fd)  # closing releases the lock
 
 
 def write_dataset(out_dir, input_path):
@@ -171,29 +161,6 @@ def load_encoder():
             "tiktoken downloads its vocabulary files once and caches them; offline, set "
             "TIKTOKEN_CACHE_DIR to a folder that holds them (see README.md, 'Offline data')."
         ) from None
-
-
-@contextlib.contextmanager
-def write_atomically(path, mode="wb"):
-    """`with write_atomically(path) as f:` writes `path` whole or not at all: f is `path`.tmp,
-    fsynced, then renamed over `path` (atomic within a filesystem), so a process killed at any
-    moment leaves the old file or the new one. A failed write removes `path`.tmp and re-raises."""
-    tmp_path = path + ".tmp"
-    try:
-        with open(tmp_path, mode) as f:
-            yield f
-            f.flush()
-            os.fsync(f.fileno())
-        os.replace(tmp_path, path)
-    except BaseException:
-        with contextlib.suppress(FileNotFoundError):
-            os.remove(tmp_path)
-        raise
-    dir_fd = os.open(os.path.dirname(path) or ".", os.O_RDONLY)  # the rename is durable once its folder is
-    try:
-        os.fsync(dir_fd)
-    finally:
-        os.close(dir_fd)
 
 
 def main():
