@@ -27,9 +27,11 @@ import time
 from dataclasses import asdict, dataclass, replace
 from unittest import mock
 
-from training.config import ConfigError, TrainConfig, choice, parse_config
+from training.config import BACKENDS, ConfigError, TrainConfig, choice, parse_config
 
-PROVIDERS = ("triton", "triton_fwd", "sdpa_flash", "sdpa_cudnn", "sdpa_efficient", "eager", "tiled")
+# The backends (attention/backends.py), sdpa split into the kernels torch chooses among.
+SDPA_KERNELS = ("sdpa_flash", "sdpa_cudnn", "sdpa_efficient")
+PROVIDERS = tuple(provider for name in BACKENDS for provider in (SDPA_KERNELS if name == "sdpa" else (name,)))
 MODES = ("fwd", "bwd", "fwd+bwd")
 
 
@@ -38,7 +40,7 @@ class BenchConfig:
     mode: str = choice("grid", ("grid", "ladder", "configs", "step"))  # what to measure
     grid: str = choice("paper", ("paper", "long", "all"))  # mode=grid: which grid of shapes
     quick: bool = False  # mode=grid: three lengths of each grid
-    providers: str = "triton,sdpa_flash,sdpa_cudnn"  # mode=grid: comma-separated, of triton, triton_fwd, sdpa_flash (FlashAttention-2), sdpa_cudnn, sdpa_efficient, eager, tiled
+    providers: str = "triton,sdpa_flash,sdpa_cudnn"  # mode=grid: comma-separated, of the backends but sdpa, and sdpa's kernels: sdpa_flash (FlashAttention-2), sdpa_cudnn, sdpa_efficient
     backends: str = "eager,sdpa,triton"  # mode=step: the attention backends to train with
     compile_modes: str = "none,default,default+graph"  # mode=step: none (uncompiled) or a torch.compile mode; +graph: the step's CUDA graph
     block_sizes: str = "512"  # mode=step: comma-separated contexts, e.g. 256,512,4096; 2,048 tokens a micro-batch
@@ -51,6 +53,9 @@ def check(config):
     unknown = set(config.providers.split(",")) - set(PROVIDERS)
     if unknown:
         raise ConfigError(f"providers={config.providers!r}: unknown {sorted(unknown)}; choose from {', '.join(PROVIDERS)}")
+    unknown = set(config.backends.split(",")) - set(BACKENDS)
+    if unknown:
+        raise ConfigError(f"backends={config.backends!r}: unknown {sorted(unknown)}; choose from {', '.join(BACKENDS)}")
     if not all(size.isdigit() and int(size) >= 1 for size in config.block_sizes.split(",")):
         raise ConfigError(f"block_sizes={config.block_sizes!r}: expected ints >= 1, comma-separated, e.g. 256,512")
 
@@ -72,8 +77,8 @@ from training.devices import StepGraph, cap_memory  # noqa: E402
 
 import triton  # noqa: E402, I001  (after attention, which decides whether Triton interprets)
 
-SDPA_BACKENDS = {"sdpa_flash": SDPBackend.FLASH_ATTENTION, "sdpa_cudnn": SDPBackend.CUDNN_ATTENTION,
-                 "sdpa_efficient": SDPBackend.EFFICIENT_ATTENTION}
+SDPA_BACKENDS = dict(zip(SDPA_KERNELS, (SDPBackend.FLASH_ATTENTION, SDPBackend.CUDNN_ATTENTION,
+                                         SDPBackend.EFFICIENT_ATTENTION)))
 TILED_MAX_N = 2048  # the Python-loop teaching version takes seconds a call beyond this
 
 

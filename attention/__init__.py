@@ -29,6 +29,7 @@ Read the files in this order (docs/learn.md walks the same path):
   decode.py              decode_attention: one new token against a KV cache, every backend
   triton_decode.py       its Triton kernel
   inputs.py, sdpa.py     the input checks; torch's own attention
+  backends.py            the backends' table, which attention() and decode_attention() dispatch through
   hopper/                the forward and backward for Hopper, warp-specialised in Gluon
 
 This package needs only torch, triton and einops. Without a GPU the Triton kernels run in
@@ -63,28 +64,37 @@ if not torch.cuda.is_available() and "TRITON_INTERPRET" not in os.environ:
 if os.environ.get("NANOFA2_ADA") == "1":
     os.environ["DISABLE_MMA_V3"] = "1"  # Ampere-class mma.sync, as an sm_89 card runs, not Hopper's wgmma
 
-from .decode import decode_attention, store_in_cache  # noqa: E402
-from .eager import eager_attention, eager_attention_with_lse  # noqa: E402
+from . import backends  # noqa: E402
+from .backends import BACKENDS, TRITON_BACKENDS  # noqa: E402
+from .decode import check_decode_inputs, store_in_cache  # noqa: E402
+from .eager import eager_attention, eager_attention_with_lse, window_bounds  # noqa: E402
 from .sdpa import sdpa_attention  # noqa: E402
 from .tiled import FlashAttentionPytorch  # noqa: E402
-from .triton_ops import FlashAttentionTriton, TritonForwardRecomputeBackward  # noqa: E402
+from .triton_ops import FlashAttentionTriton  # noqa: E402
 
-from .inputs import BACKENDS  # noqa: E402
-
-__all__ = ["BACKENDS", "attention", "decode_attention", "store_in_cache", "eager_attention",
+__all__ = ["BACKENDS", "TRITON_BACKENDS", "attention", "decode_attention", "store_in_cache", "eager_attention",
            "eager_attention_with_lse", "sdpa_attention", "FlashAttentionPytorch", "FlashAttentionTriton"]
 
-_BACKEND_FUNCTIONS = {
-    "eager": eager_attention,
-    "tiled": FlashAttentionPytorch.apply,
-    "triton": FlashAttentionTriton.apply,
-    "triton_fwd": TritonForwardRecomputeBackward.apply,
-    "sdpa": sdpa_attention,
-}
+# backends.TABLE's rows as functions: name -> (training function, decode function).
+_FUNCTIONS = {name: (backends.load(row.train), backends.load(row.decode)) for name, row in backends.TABLE.items()}
+
+
+def _functions(backend):
+    """backend's (training function, decode function); a ValueError for a name not in BACKENDS."""
+    if backend not in BACKENDS:
+        raise ValueError(f"backend={backend!r} is not one of {BACKENDS}")
+    return _FUNCTIONS[backend]
 
 
 def attention(q, k, v, is_causal=False, backend="triton", window_size=(-1, -1)):
     """Each backend checks its inputs itself (inputs.check_inputs), so a direct call is checked too."""
-    if backend not in BACKENDS:
-        raise ValueError(f"backend={backend!r} is not one of {BACKENDS}")
-    return _BACKEND_FUNCTIONS[backend](q, k, v, is_causal, window_size)
+    train, _ = _functions(backend)
+    return train(q, k, v, is_causal, window_size)
+
+
+def decode_attention(q, k, v, k_cache, v_cache, pos, window_size=(-1, -1), backend="triton"):
+    """One new token per sequence against a static KV cache: decode.py says what each argument holds."""
+    _, decode = _functions(backend)
+    check_decode_inputs(q, k, v, k_cache, v_cache, pos, window_size)
+    left, _ = window_bounds(False, window_size)
+    return decode(q, k, v, k_cache, v_cache, pos, left)

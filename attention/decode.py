@@ -15,14 +15,16 @@ Why the whole cache and a position on the device, rather than k_cache[:, :, :n]:
 the same shapes whatever the cache holds, so torch.compile compiles it once, a CUDA graph can
 replay it, and no backend meets a new shape at each token. The triton backend stores the token
 inside its kernel (triton_decode.py); the others store with index_copy_, then mask.
+decode_attention (attention/__init__.py) checks its inputs here (check_decode_inputs) and calls
+the backend's function below, as backends.py's table names it, with the window's left side.
 """
 import math
 
 import torch
 import torch.nn.functional as F
 
-from .eager import masked_attention_with_lse, window_bounds
-from .inputs import BACKENDS, check_inputs, check_tensor, check_triton_inputs
+from .eager import masked_attention_with_lse
+from .inputs import check_inputs, check_tensor, check_triton_inputs
 from .tiled import online_softmax_update
 from .triton_decode import triton_decode_attention
 
@@ -77,15 +79,19 @@ def cached_keys(pos, left, n_cache):
     return ((rows <= pos) & (rows >= pos - left)).view(1, 1, 1, n_cache)
 
 
-def eager_decode_attention(q, k_cache, v_cache, visible):
+def eager_decode_attention(q, k, v, k_cache, v_cache, pos, left):
     """The reference: eager.py's attention over the whole cache, keys outside visible masked and
     their values zeroed, so that 0 * a stale NaN cannot reach the output."""
+    store_in_cache(k, v, k_cache, v_cache, pos)
+    visible = cached_keys(pos, left, k_cache.shape[2])
     return masked_attention_with_lse(q, k_cache, v_cache.masked_fill(~visible.mT, 0.0), visible)[0]
 
 
-def tiled_decode_attention(q, k_cache, v_cache, visible, tile_size=64):
+def tiled_decode_attention(q, k, v, k_cache, v_cache, pos, left, tile_size=64):
     """tiled.py's online softmax for one query row over the cache's key tiles. S is static, so
     every tile is visited, masked outside visible."""
+    store_in_cache(k, v, k_cache, v_cache, pos)
+    visible = cached_keys(pos, left, k_cache.shape[2])
     compute = torch.float64 if q.dtype == torch.float64 else torch.float32
     q_row = (q.to(compute) / math.sqrt(q.shape[-1])).unflatten(1, (k_cache.shape[1], -1))  # (B, H_kv, G, 1, D)
     m_i = torch.full(q_row.shape[:-1], float("-inf"), dtype=compute, device=q.device)
@@ -100,9 +106,11 @@ def tiled_decode_attention(q, k_cache, v_cache, visible, tile_size=64):
     return (acc / l_i[..., None]).flatten(1, 2).to(q.dtype)
 
 
-def sdpa_decode_attention(q, k_cache, v_cache, visible):
+def sdpa_decode_attention(q, k, v, k_cache, v_cache, pos, left):
     """sdpa adds its mask to the scores, so a NaN key it hides would still give NaN: the hidden
     keys are zeroed as well as the hidden values."""
+    store_in_cache(k, v, k_cache, v_cache, pos)
+    visible = cached_keys(pos, left, k_cache.shape[2])
     hidden = ~visible.mT
     return F.scaled_dot_product_attention(q, k_cache.masked_fill(hidden, 0.0), v_cache.masked_fill(hidden, 0.0),
                                           attn_mask=visible, enable_gqa=q.shape[1] != k_cache.shape[1])
@@ -114,16 +122,3 @@ def triton_kernel_decode_attention(q, k, v, k_cache, v_cache, pos, left):
         raise ValueError("decode_attention with the triton backends computes no gradient: call it under "
                          "torch.no_grad() (generation), or use eager, tiled or sdpa for gradients")
     return triton_decode_attention(q, k, v, k_cache, v_cache, pos, left)
-
-
-def decode_attention(q, k, v, k_cache, v_cache, pos, window_size=(-1, -1), backend="triton"):
-    if backend not in BACKENDS:
-        raise ValueError(f"backend={backend!r} is not one of {BACKENDS}")
-    check_decode_inputs(q, k, v, k_cache, v_cache, pos, window_size)
-    left, _ = window_bounds(False, window_size)
-    if backend in ("triton", "triton_fwd"):  # they differ only in their backward; a decode step has none
-        return triton_kernel_decode_attention(q, k, v, k_cache, v_cache, pos, left)
-    # eager, tiled and sdpa: store the new key and value with index_copy_, then attend.
-    store_in_cache(k, v, k_cache, v_cache, pos)
-    attend = {"eager": eager_decode_attention, "tiled": tiled_decode_attention, "sdpa": sdpa_decode_attention}
-    return attend[backend](q, k_cache, v_cache, cached_keys(pos, left, k_cache.shape[2]))

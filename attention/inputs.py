@@ -2,7 +2,6 @@
 kernel fault or silent garbage. Every backend runs check_inputs; the Triton ones check_triton_inputs."""
 import torch
 
-BACKENDS = ("eager", "tiled", "triton", "triton_fwd", "sdpa")
 TRITON_DTYPES = (torch.float16, torch.bfloat16, torch.float32)
 # The float8 types are floating point too, but no backend computes in them.
 DTYPES = (torch.float16, torch.bfloat16, torch.float32, torch.float64)

@@ -192,9 +192,13 @@ def test_an_out_that_is_a_file_exits_2_in_one_line(trained_out_dir, tmp_path):
     assert result.stderr == f"config error: out='{tmp_path / 'report'}' is a file; expected a folder (made if missing)\n"
 
 
-def test_bench_step_refuses_a_bad_block_size_list_at_once():
+@pytest.mark.parametrize("arg, message", [
+    ("--block_sizes=256,big", "block_sizes='256,big': expected ints >= 1"),
+    ("--backends=eager,flash", f"backends='eager,flash': unknown ['flash']; choose from {', '.join(BACKENDS)}"),
+], ids=["block sizes", "backends"])
+def test_bench_step_refuses_a_bad_list_at_once(arg, message):
     # Step time and memory against context length moved to bench.py --mode=step --block_sizes=...,
     # which needs a GPU to run but checks its settings before torch loads.
-    result = run_script("bench.py", "--mode=step", "--block_sizes=256,big")
+    result = run_script("bench.py", "--mode=step", arg)
     assert result.returncode == 2 and "Traceback" not in result.stderr
-    assert "block_sizes='256,big': expected ints >= 1" in result.stderr
+    assert message in result.stderr

@@ -8,7 +8,7 @@ from dataclasses import dataclass, fields
 import pytest
 import torch
 
-from attention import BACKENDS
+from attention import BACKENDS, TRITON_BACKENDS
 from conftest import REPO, run_script
 from model import GPTConfig
 from training.config import (EXIT_BAD_CONFIG, ConfigError, SampleConfig, TrainConfig, check_config, choice,
@@ -214,10 +214,10 @@ def test_the_seed_range_leaves_room_for_every_process():
         check_config(TrainConfig(seed=2**32 - 3, gradient_accumulation_steps=4), world_size=4)
 
 
-def test_the_configs_backends_are_attentions():
-    from training import config
-
-    assert config.BACKENDS == BACKENDS
+def test_the_config_reads_attentions_backends_without_loading_torch():
+    probe = "import sys, training.config as c; print(*c.BACKENDS, '|', *c.TRITON_BACKENDS, '|', 'torch' in sys.modules)"
+    result = subprocess.run([sys.executable, "-c", probe], cwd=REPO, capture_output=True, text=True, timeout=120)
+    assert result.stdout.split() == [*BACKENDS, "|", *TRITON_BACKENDS, "|", "False"], result.stderr
 
 
 def test_the_default_runs_model_is_gpt_configs_defaults():

@@ -12,6 +12,7 @@ import inspect
 import math
 import os
 import re
+import runpy
 import sys
 import types
 import typing
@@ -28,9 +29,11 @@ CHECKPOINT_NAME = "ckpt.pt"  # the best checkpoint (every evaluation's with alwa
 RESUME_NAME = "resume.pt"  # where a stopped run continues, when that is not ckpt.pt
 METRICS_NAME = "metrics.jsonl"
 CONFIG_NAME = "config.json"
-# attention.BACKENDS, written out so that this module needs no torch (tests/test_config.py checks they agree).
-BACKENDS = ("eager", "tiled", "triton", "triton_fwd", "sdpa")
-TRITON_BACKENDS = ("triton", "triton_fwd")
+# The backends' table read as a file: importing attention.backends would run attention/__init__.py
+# first, and with it torch, which --help and a bad setting answer before.
+_backends = runpy.run_path(os.path.join(os.path.dirname(os.path.dirname(os.path.abspath(__file__))), "attention",
+                                        "backends.py"))
+BACKENDS, TRITON_BACKENDS = _backends["BACKENDS"], _backends["TRITON_BACKENDS"]
 MAX_SEED = 2**32 - 1  # numpy.random.seed takes [0, 2**32 - 1]
 COMPILE_MODES = ("default", "reduce-overhead", "max-autotune", "max-autotune-no-cudagraphs")
 CUDA_GRAPH_COMPILE_MODES = ("reduce-overhead", "max-autotune")  # the modes that capture CUDA graphs themselves
