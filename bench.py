@@ -14,7 +14,7 @@ The grids are the FlashAttention-2 paper's (16k tokens a batch, hidden 2048, N f
 head dims 64 and 128, causal and not) and a long-context one, q, k, v being views of one fused
 projection as in the model. triton.testing.do_bench gives the median ms; TFLOP/s count
 4 * B * H * N^2 * D for the forward (half when causal), 2.5 times that for the backward. The
-step mode times whole optimizer steps backend after backend in turns, as the host drifts over
+step mode times train.py's step (training/step.py), the backends in turns, as the host drifts over
 minutes: GPU time judges the kernels, wall time the host. At each block size the batch keeps
 the default run's tokens per micro-batch; a backend out of memory is not run at longer ones.
 Writes JSON and markdown (and a plot of each grid) to --out. Decoding: sample.py --benchmark=True.
@@ -73,7 +73,8 @@ from attention.launch import fitting_configs  # noqa: E402
 from attention.triton_backward import BACKWARD_CONFIGS, backward_smem_rows, flash_backward  # noqa: E402
 from attention.triton_forward import FORWARD_CONFIGS, flash_forward, forward_smem_rows  # noqa: E402
 from model import GPT, GPTConfig, compile_model  # noqa: E402
-from training.devices import StepGraph, cap_memory  # noqa: E402
+from training.devices import World, autocast, cap_memory, synchronize  # noqa: E402
+from training.step import TrainStep  # noqa: E402
 
 import triton  # noqa: E402, I001  (after attention, which decides whether Triton interprets)
 
@@ -246,38 +247,31 @@ def sweep_configs():
     return results
 
 
-def build_step(backend, compile_mode, block_size):
-    """One optimizer step of the default model (GPTConfig(), dropout 0, bf16 autocast, fused
-    AdamW, random tokens) at block_size, as train.py runs it, warmed up (5 steps, which compile).
-    batch_size keeps the default run's tokens per micro-batch (at least one sequence)."""
+def build_step(backend, compile_mode, block_size, device="cuda"):
+    """train.py's step (training/step.py: the micro-batch loop, gradient clipping, the scaler) on
+    the default model (GPTConfig(), dropout 0, bf16 autocast, fused AdamW, random tokens) at
+    block_size, warmed up (5 steps, which compile). batch_size keeps the default run's tokens per
+    micro-batch (at least one sequence)."""
     torch.manual_seed(0)
+    device = torch.device(device)
     defaults = GPTConfig()
     batch_size = max(1, TrainConfig.batch_size * TrainConfig.block_size // block_size)
-    model = GPT(replace(defaults, block_size=block_size, dropout=0.0, attn=backend)).cuda()
-    optimizer = model.configure_optimizers(0.1, 1e-4, (0.9, 0.99), "cuda")
+    model = GPT(replace(defaults, block_size=block_size, dropout=0.0, attn=backend)).to(device)
+    optimizer = model.configure_optimizers(TrainConfig.weight_decay, TrainConfig.learning_rate,
+                                           (TrainConfig.beta1, TrainConfig.beta2), device.type)
     compile_mode, graphed = compile_mode.removesuffix("+graph"), compile_mode.endswith("+graph")
     run = model if compile_mode == "none" else compile_model(model, compile_mode)
-    tokens = [torch.randint(0, defaults.vocab_size, (batch_size, block_size), device="cuda") for _ in range(2)]
+    train_step = TrainStep(run, optimizer, torch.amp.GradScaler(device.type, enabled=False),
+                           autocast(device, torch.bfloat16), World(), TrainConfig.grad_clip,
+                           compiled=compile_mode != "none", cuda_graph=graphed)
+    tokens = [torch.randint(0, defaults.vocab_size, (batch_size, block_size), device=device) for _ in range(2)]
     batches = [(x, x.roll(-1, dims=1)) for x in tokens]  # (x, y) pairs, as StepGraph copies them
 
-    def forward_backward(batches):
-        optimizer.zero_grad(set_to_none=not graphed)
-        loss_sum = torch.zeros((), device="cuda")
-        for x, y in batches:
-            torch.compiler.cudagraph_mark_step_begin()
-            with torch.autocast("cuda", dtype=torch.bfloat16):
-                _, loss = run(x, y)
-            loss_sum += loss.detach()
-            (loss / len(batches)).backward()
-        return loss_sum
-    passes = StepGraph(forward_backward) if graphed else forward_backward
-
     def step():
-        passes(batches)
-        optimizer.step()
+        train_step(batches, TrainConfig.learning_rate)
     for _ in range(5):
         step()
-    torch.cuda.synchronize()
+    synchronize(device)
     return step
 
 

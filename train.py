@@ -42,12 +42,13 @@ from tqdm import tqdm
 
 from data.batches import DataError, ShortDataError, load_batches
 from data.shakespeare.prepare import PrepareError
-from model import GPT, compile_model, labelled
-from training.devices import (StepGraph, StopSignals, World, autocast, cap_memory, choose_cpu_threads, is_out_of_memory,
+from model import GPT, compile_model
+from training.devices import (StopSignals, World, autocast, cap_memory, choose_cpu_threads, is_out_of_memory,
                               out_of_memory_message, peak_flops, peak_memory_mb, pick_device, pick_dtype, synchronize)
-from training.profiling import OPTIMIZER_RANGE, step_profiler, stop_profiler
+from training.profiling import step_profiler, stop_profiler
 from training.run_files import (RunFileError, RunLog, check_fits, load_checkpoint, out_dir_lock, restore_checkpoint,
                                 resume_point, rng_states, save_checkpoint, start_out_dir, start_wandb)
+from training.step import TrainStep
 
 # The first steps pay for torch.compile, autotuning and the allocator's caches: logged apart (warmup: true).
 TIMING_WARMUP_STEPS = 3
@@ -106,8 +107,10 @@ class Trainer:
             self.last_saved = (resume_path, self.iter_num, self.eval_pending)
         self.model = compile_model(self.raw_model, config.compile_mode) if config.compile else self.raw_model
         # Rank 0 evaluates self.model on its own; training goes through DDP, which averages gradients.
-        self.train_model = self.model if not world.distributed else DistributedDataParallel(
+        train_model = self.model if not world.distributed else DistributedDataParallel(
             self.model, device_ids=[self.device.index] if self.device.type == "cuda" else None)
+        self.step = TrainStep(train_model, self.optimizer, self.scaler, self.amp, world, config.grad_clip,
+                              compiled=config.compile, cuda_graph=config.cuda_graph)
         self.micro_steps = config.gradient_accumulation_steps // world.size
         self.tokens_per_iter = config.batch_size * config.block_size * config.gradient_accumulation_steps
         if self.device.type == "cpu":
@@ -146,7 +149,6 @@ class Trainer:
     def train(self, profiler):
         config, world = self.config, self.world
         stop = StopSignals(announce=world.is_main)
-        passes = StepGraph(self.forward_backward) if config.cuda_graph else self.forward_backward
         warmup_end = self.iter_num + TIMING_WARMUP_STEPS
         step_seconds, steps_timed = 0.0, 0
         while True:
@@ -162,7 +164,9 @@ class Trainer:
             # Between two synchronisations: on a GPU the step ends when the GPU has done its work.
             synchronize(self.device)
             start = time.perf_counter()
-            loss = self.step(passes, lr)
+            # Drawn here, not prefetched, so the sampler's state between steps is what a checkpoint stores.
+            batches = [self.batches.get("train", self.sampler) for _ in range(self.micro_steps)]
+            loss = self.step(batches, lr)
             synchronize(self.device)
             step_seconds += time.perf_counter() - start
             steps_timed += 1
@@ -181,46 +185,10 @@ class Trainer:
                 self.log.line(f"iter {self.iter_num}/{config.max_iters}: loss {loss:.4f}, {self.log.step_s:.1f} "
                               f"s/iter, ETA {self.log.eta(self.iter_num, self.eval_pending)}")
 
-    def step(self, passes, lr):
-        """One optimizer step (passes: forward_backward or its CUDA graph); returns the mean loss,
-        read once a step so that a NaN stops the run before the optimizer applies it. Batches are
-        drawn here, not prefetched, so the sampler's state between steps is what a checkpoint stores."""
-        for group in self.optimizer.param_groups:
-            group["lr"] = lr
-        batches = [self.batches.get("train", self.sampler) for _ in range(self.micro_steps)]
-        mean_loss = self.world.mean_(passes(batches)).item() / self.micro_steps
-        with labelled(OPTIMIZER_RANGE):
-            if math.isfinite(mean_loss):
-                if self.config.grad_clip > 0:
-                    self.scaler.unscale_(self.optimizer)
-                    torch.nn.utils.clip_grad_norm_(self.train_model.parameters(), self.config.grad_clip)
-                self.scaler.step(self.optimizer)
-                self.scaler.update()
-        return mean_loss
-
-    def forward_backward(self, batches):
-        """Every micro-batch's forward and backward: leaves the gradients in .grad and returns the
-        losses' sum, unread. Under DDP only the last micro-batch all-reduces (no_sync before it)."""
-        # None: the first backward writes the gradients rather than adding them to zeros; a
-        # captured step zeroes them in place, where its graph writes.
-        self.optimizer.zero_grad(set_to_none=not self.config.cuda_graph)
-        loss_sum = torch.zeros((), device=self.device)
-        for micro_step, (x, y) in enumerate(batches):
-            accumulate_only = self.world.distributed and micro_step < len(batches) - 1
-            if self.config.compile:
-                # Under compile's own CUDA graphs a replay reuses the previous one's outputs: done with them.
-                torch.compiler.cudagraph_mark_step_begin()
-            with self.train_model.no_sync() if accumulate_only else contextlib.nullcontext():
-                with self.amp:
-                    _, loss = self.train_model(x, y)
-                loss_sum += loss.detach()
-                self.scaler.scale(loss / len(batches)).backward()
-        return loss_sum
-
     def batch_loss(self, x, y):
         """The model's loss on one batch, as a float (the caller sets evaluation mode)."""
         if self.config.compile:
-            torch.compiler.cudagraph_mark_step_begin()  # see forward_backward
+            torch.compiler.cudagraph_mark_step_begin()  # see TrainStep.forward_backward
         with torch.no_grad(), self.amp:
             _, loss = self.model(x, y)
         return loss.item()

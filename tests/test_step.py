@@ -1,0 +1,77 @@
+"""training/step.py's TrainStep, the step train.py takes and bench.py --mode=step times: the
+micro-batches' gradients averaged, clipped, applied only after a finite loss."""
+import contextlib
+import copy
+import importlib
+import math
+import sys
+
+import pytest
+import torch
+
+from model import GPT, GPTConfig
+from training.devices import World
+from training.step import TrainStep
+
+TINY = GPTConfig(block_size=16, vocab_size=64, n_layer=1, n_head=2, n_embd=16, dropout=0.0, attn="eager")
+
+
+def tiny_step(model, grad_clip):
+    optimizer = model.configure_optimizers(0.1, 1e-3, (0.9, 0.99), "cpu")
+    scaler = torch.amp.GradScaler("cpu", enabled=False)
+    return TrainStep(model, optimizer, scaler, contextlib.nullcontext(), World(), grad_clip, compiled=False,
+                     cuda_graph=False), optimizer
+
+
+def micro_batches(n, generator):
+    tokens = [torch.randint(0, TINY.vocab_size, (3, TINY.block_size + 1), generator=generator) for _ in range(n)]
+    return [(t[:, :-1].contiguous(), t[:, 1:].contiguous()) for t in tokens]
+
+
+def test_the_step_averages_the_micro_batches_and_clips_the_mean_gradient():
+    torch.manual_seed(0)
+    model = GPT(TINY)
+    reference = copy.deepcopy(model)
+    batches = micro_batches(2, torch.Generator().manual_seed(1))
+    step, _ = tiny_step(model, grad_clip=1e-3)  # far below the gradient's norm: clipping acts
+    mean_loss = step(batches, lr=1e-3)
+
+    losses = [reference(x, y)[1] for x, y in batches]
+    (sum(losses) / len(losses)).backward()
+    grads = [p.grad for p in reference.parameters()]
+    norm = torch.linalg.vector_norm(torch.stack([torch.linalg.vector_norm(g) for g in grads]))
+    assert norm > 1e-2
+    assert mean_loss == pytest.approx(torch.stack(losses).mean().item(), rel=1e-6)
+    for p, g in zip(model.parameters(), grads, strict=True):
+        torch.testing.assert_close(p.grad, g * (1e-3 / norm), rtol=1e-4, atol=1e-9)
+
+
+def test_a_non_finite_loss_leaves_the_weights_as_they_were():
+    torch.manual_seed(0)
+    model = GPT(TINY)
+    with torch.no_grad():
+        model.transformer.wte.weight[0, 0] = math.nan
+    before = copy.deepcopy(model.state_dict())
+    step, optimizer = tiny_step(model, grad_clip=1.0)
+    batches = micro_batches(2, torch.Generator().manual_seed(1))
+    batches[0][0][0, 0] = 0  # a token whose embedding holds the NaN
+    assert math.isnan(step(batches, lr=1e-3))
+    assert not optimizer.state  # AdamW never stepped
+    for name, value in model.state_dict().items():
+        torch.testing.assert_close(value, before[name], equal_nan=True)
+
+
+def test_bench_step_mode_times_the_step_train_py_takes(monkeypatch):
+    """bench.py --mode=step builds TrainStep and each timed step is one call of it (a GPU mode;
+    here its step on the CPU, the default model shrunk)."""
+    monkeypatch.setattr(sys, "argv", ["bench.py", "--mode=step"])
+    bench = importlib.import_module("bench")
+    monkeypatch.setattr(bench, "GPTConfig", lambda: TINY)
+    calls = []
+    take_step = TrainStep.__call__
+    monkeypatch.setattr(TrainStep, "__call__", lambda self, batches, lr: calls.append(self) or take_step(self, batches, lr))
+    step = bench.build_step("eager", "none", TINY.block_size, device="cpu")
+    assert len(calls) == 5 and len(set(calls)) == 1  # the warm-up
+    step()
+    assert len(calls) == 6 and calls[-1] is calls[0]
+    assert calls[0].grad_clip == bench.TrainConfig.grad_clip > 0
