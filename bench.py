@@ -74,7 +74,7 @@ from attention.triton_backward import BACKWARD_CONFIGS, backward_smem_rows, flas
 from attention.triton_forward import FORWARD_CONFIGS, flash_forward, forward_smem_rows  # noqa: E402
 from model import GPT, GPTConfig, compile_model  # noqa: E402
 from training.devices import World, autocast, cap_memory, synchronize  # noqa: E402
-from training.step import TrainStep  # noqa: E402
+from training.step import make_train_step  # noqa: E402
 
 import triton  # noqa: E402, I001  (after attention, which decides whether Triton interprets)
 
@@ -261,9 +261,9 @@ def build_step(backend, compile_mode, block_size, device="cuda"):
                                            (TrainConfig.beta1, TrainConfig.beta2), device.type)
     compile_mode, graphed = compile_mode.removesuffix("+graph"), compile_mode.endswith("+graph")
     run = model if compile_mode == "none" else compile_model(model, compile_mode)
-    train_step = TrainStep(run, optimizer, torch.amp.GradScaler(device.type, enabled=False),
-                           autocast(device, torch.bfloat16), World(), TrainConfig.grad_clip,
-                           compiled=compile_mode != "none", cuda_graph=graphed)
+    train_step = make_train_step(run, optimizer, torch.amp.GradScaler(device.type, enabled=False),
+                                 autocast(device, torch.bfloat16), World(), TrainConfig.grad_clip,
+                                 compiled=compile_mode != "none", cuda_graph=graphed)
     tokens = [torch.randint(0, defaults.vocab_size, (batch_size, block_size), device=device) for _ in range(2)]
     batches = [(x, x.roll(-1, dims=1)) for x in tokens]  # (x, y) pairs, as StepGraph copies them
 

@@ -48,7 +48,7 @@ from training.devices import (StopSignals, World, autocast, cap_memory, choose_c
 from training.profiling import step_profiler, stop_profiler
 from training.run_files import (RunFileError, RunLog, check_fits, load_checkpoint, out_dir_lock, restore_checkpoint,
                                 resume_point, rng_states, save_checkpoint, start_out_dir, start_wandb)
-from training.step import TrainStep
+from training.step import make_train_step
 
 # The first steps pay for torch.compile, autotuning and the allocator's caches: logged apart (warmup: true).
 TIMING_WARMUP_STEPS = 3
@@ -109,8 +109,8 @@ class Trainer:
         # Rank 0 evaluates self.model on its own; training goes through DDP, which averages gradients.
         train_model = self.model if not world.distributed else DistributedDataParallel(
             self.model, device_ids=[self.device.index] if self.device.type == "cuda" else None)
-        self.step = TrainStep(train_model, self.optimizer, self.scaler, self.amp, world, config.grad_clip,
-                              compiled=config.compile, cuda_graph=config.cuda_graph)
+        self.step = make_train_step(train_model, self.optimizer, self.scaler, self.amp, world, config.grad_clip,
+                                    compiled=config.compile, cuda_graph=config.cuda_graph)
         self.micro_steps = config.gradient_accumulation_steps // world.size
         self.tokens_per_iter = config.batch_size * config.block_size * config.gradient_accumulation_steps
         if self.device.type == "cpu":
@@ -188,7 +188,7 @@ class Trainer:
     def batch_loss(self, x, y):
         """The model's loss on one batch, as a float (the caller sets evaluation mode)."""
         if self.config.compile:
-            torch.compiler.cudagraph_mark_step_begin()  # see TrainStep.forward_backward
+            torch.compiler.cudagraph_mark_step_begin()  # see training/step.py's forward_backward
         with torch.no_grad(), self.amp:
             _, loss = self.model(x, y)
         return loss.item()

@@ -1,17 +1,19 @@
-"""training/step.py's TrainStep, the step train.py takes and bench.py --mode=step times: the
-micro-batches' gradients averaged, clipped, applied only after a finite loss."""
+"""training/step.py, the step train.py takes and bench.py --mode=step times: the micro-batches'
+gradients averaged, clipped, applied only after a finite loss."""
 import contextlib
 import copy
+import gc
 import importlib
 import math
 import sys
+import weakref
 
 import pytest
 import torch
 
 from model import GPT, GPTConfig
 from training.devices import World
-from training.step import TrainStep
+from training import step as step_module
 
 TINY = GPTConfig(block_size=16, vocab_size=64, n_layer=1, n_head=2, n_embd=16, dropout=0.0, attn="eager")
 
@@ -19,8 +21,8 @@ TINY = GPTConfig(block_size=16, vocab_size=64, n_layer=1, n_head=2, n_embd=16, d
 def tiny_step(model, grad_clip):
     optimizer = model.configure_optimizers(0.1, 1e-3, (0.9, 0.99), "cpu")
     scaler = torch.amp.GradScaler("cpu", enabled=False)
-    return TrainStep(model, optimizer, scaler, contextlib.nullcontext(), World(), grad_clip, compiled=False,
-                     cuda_graph=False), optimizer
+    return step_module.make_train_step(model, optimizer, scaler, contextlib.nullcontext(), World(), grad_clip,
+                                       compiled=False, cuda_graph=False), optimizer
 
 
 def micro_batches(n, generator):
@@ -61,17 +63,37 @@ def test_a_non_finite_loss_leaves_the_weights_as_they_were():
         torch.testing.assert_close(value, before[name], equal_nan=True)
 
 
+def test_the_model_is_freed_with_its_step():
+    # bench.py builds a step per backend and mode: a reference cycle would keep each model on the GPU.
+    gc.disable()
+    try:
+        model = GPT(TINY)
+        freed = weakref.ref(model)
+        step, optimizer = tiny_step(model, grad_clip=1.0)
+        step(micro_batches(1, torch.Generator().manual_seed(1)), lr=1e-3)
+        del model, step, optimizer
+        assert freed() is None
+    finally:
+        gc.enable()
+
+
 def test_bench_step_mode_times_the_step_train_py_takes(monkeypatch):
-    """bench.py --mode=step builds TrainStep and each timed step is one call of it (a GPU mode;
-    here its step on the CPU, the default model shrunk)."""
+    """bench.py --mode=step builds training/step.py's step, with train.py's gradient clipping,
+    and each timed step is one call of it (a GPU mode; run here on the CPU, the model shrunk)."""
     monkeypatch.setattr(sys, "argv", ["bench.py", "--mode=step"])
     bench = importlib.import_module("bench")
     monkeypatch.setattr(bench, "GPTConfig", lambda: TINY)
-    calls = []
-    take_step = TrainStep.__call__
-    monkeypatch.setattr(TrainStep, "__call__", lambda self, batches, lr: calls.append(self) or take_step(self, batches, lr))
-    step = bench.build_step("eager", "none", TINY.block_size, device="cpu")
-    assert len(calls) == 5 and len(set(calls)) == 1  # the warm-up
-    step()
-    assert len(calls) == 6 and calls[-1] is calls[0]
-    assert calls[0].grad_clip == bench.TrainConfig.grad_clip > 0
+    built, calls = [], []
+
+    def recording_make_train_step(*args, **kwargs):
+        built.append((args, kwargs))
+        step = step_module.make_train_step(*args, **kwargs)
+        return lambda batches, lr: calls.append(lr) or step(batches, lr)
+
+    monkeypatch.setattr(bench, "make_train_step", recording_make_train_step)
+    timed = bench.build_step("eager", "none", TINY.block_size, device="cpu")
+    assert len(built) == 1 and len(calls) == 5  # the warm-up
+    timed()
+    assert len(built) == 1 and len(calls) == 6
+    grad_clip = built[0][0][5]
+    assert grad_clip == bench.TrainConfig.grad_clip > 0
