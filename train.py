@@ -68,9 +68,11 @@ def learning_rate_at(it, config):
     return config.min_lr + 0.5 * (1.0 + math.cos(math.pi * progress)) * (config.learning_rate - config.min_lr)
 
 
-class Trainer:
-    """One run: building it checks what the machine, checkpoint and data allow, writing nothing;
-    run() takes out_dir and trains."""
+class Run:
+    """What a run holds: its settings, device, data, model, optimizer and scaler, the step it
+    takes, and where it stands (iter_num, best_val_loss, eval_pending, last_saved). Building it
+    checks what the machine, checkpoint and data allow, writing nothing; the functions below
+    train it."""
 
     def __init__(self, config, world):
         self.world = world
@@ -118,207 +120,218 @@ class Trainer:
                                               int(os.environ.get("LOCAL_WORLD_SIZE", 1)))
         self.log = RunLog(config, self.micro_steps)
 
-    def run(self):
-        """Take out_dir (rank 0, under its lock), then train to max_iters; returns the exit status."""
-        config, world = self.config, self.world
-        run_config = {**asdict(config), "device": str(self.device), "dtype": str(self.dtype).removeprefix("torch."),
-                      "gpu": torch.cuda.get_device_name(self.device) if self.device.type == "cuda" else None,
-                      "world_size": world.size, "n_params": self.raw_model.num_params(),
-                      "tokens_per_iter": self.tokens_per_iter}
-        if world.is_main:
-            check_no_run(config)
-            # Before anything is written to out_dir, so a missing wandb login changes nothing there.
-            self.log.wandb_run = start_wandb(config, run_config, self.wandb_run_id) if config.wandb_log else None
-            resumed_at = self.iter_num if config.init_from == "resume" else None
-            start_out_dir(config.out_dir, run_config, resumed_at, self.eval_pending)
-            self.print_summary()
-        # The steady steps right after the timing warm-up; their logged times include the profiler's overhead.
-        batch = self.batches.get("train", torch.Generator().manual_seed(config.seed))  # for attention's memory
-        profiler = (step_profiler(config.out_dir, TIMING_WARMUP_STEPS, self.raw_model, batch, self.amp, attn=config.attn,
-                                  compile=config.compile) if config.profile and world.is_main else None)
-        status = EXIT_ERROR  # what wandb records if an exception ends the run
-        try:
-            status = self.train(profiler)
-            return status
-        finally:
-            if profiler is not None:
-                stop_profiler(profiler, config.out_dir, TIMING_WARMUP_STEPS)
-            if self.log.wandb_run is not None:
-                self.log.wandb_run.finish(exit_code=status)
-
-    def train(self, profiler):
-        config, world = self.config, self.world
-        stop = StopSignals(announce=world.is_main)
-        warmup_end = self.iter_num + TIMING_WARMUP_STEPS
-        step_seconds, steps_timed = 0.0, 0
-        while True:
-            if self.eval_pending:  # iter 0 of a new run, an evaluation's iteration, one a signal cut short
-                self.evaluate(stop)
-            signum = world.max(stop.received or 0)  # all processes stop at the same iteration
-            if signum:
-                self.save_at_signal(signum)
-                return 128 + signum
-            if self.iter_num >= config.max_iters:
-                return 0
-            lr = learning_rate_at(self.iter_num, config)
-            # Between two synchronisations: on a GPU the step ends when the GPU has done its work.
-            synchronize(self.device)
-            start = time.perf_counter()
-            # Drawn here, not prefetched, so the sampler's state between steps is what a checkpoint stores.
-            batches = [self.batches.get("train", self.sampler) for _ in range(self.micro_steps)]
-            loss = self.step(batches, lr)
-            synchronize(self.device)
-            step_seconds += time.perf_counter() - start
-            steps_timed += 1
-            self.iter_num += 1
-            if profiler is not None:
-                profiler.step()
-            if not math.isfinite(loss):
-                raise self.non_finite("training loss", loss)
-            self.eval_pending = self.iter_num % config.eval_interval == 0 or self.iter_num == config.max_iters
-            # A record at the end of the warm-up too, so that no record mixes warm-up and steady steps.
-            if self.iter_num % config.log_interval == 0 or self.iter_num == warmup_end:
-                self.log_step(loss, lr, step_seconds / steps_timed, warmup=self.iter_num <= warmup_end)
-                step_seconds, steps_timed = 0.0, 0
-            elif world.is_main and self.log.due():
-                self.log.step_s = step_seconds / steps_timed
-                self.log.line(f"iter {self.iter_num}/{config.max_iters}: loss {loss:.4f}, {self.log.step_s:.1f} "
-                              f"s/iter, ETA {self.log.eta(self.iter_num, self.eval_pending)}")
-
-    def batch_loss(self, x, y):
-        """The model's loss on one batch, as a float (the caller sets evaluation mode)."""
-        if self.config.compile:
-            torch.compiler.cudagraph_mark_step_begin()  # see training/step.py's forward_backward
-        with torch.no_grad(), self.amp:
-            _, loss = self.model(x, y)
-        return loss.item()
-
-    def estimate_loss(self, stop):
-        """Mean loss over eval_iters batches per split, or None when a signal stopped it. Each split
-        draws from a generator seeded afresh: the same windows every time, training's sampler untouched."""
-        config, log, start, losses = self.config, self.log, time.perf_counter(), {}
-        self.model.eval()
-        for n, split in enumerate(("train", "val")):
-            generator, total = torch.Generator().manual_seed(config.seed), 0.0
-            for batch in range(config.eval_iters):
-                if stop.received:
-                    self.model.train()
-                    return None
-                total += self.batch_loss(*self.batches.get(split, generator))
-                log.batch_s = (time.perf_counter() - start) / (n * config.eval_iters + batch + 1)
-                if self.world.is_main and log.due():
-                    left = ((2 - n) * config.eval_iters - batch - 1) * log.batch_s
-                    log.line(f"evaluating at iter {self.iter_num}: {split} batch {batch + 1}/{config.eval_iters}, ETA "
-                             f"{tqdm.format_interval(left)}; the run's ETA {log.eta(self.iter_num, True, left)}")
-            losses[split] = total / config.eval_iters
-        self.model.train()
-        log.eval_s = time.perf_counter() - start
-        return losses
-
-    def evaluate(self, stop):
-        """Rank 0 evaluates, logs and saves while the others wait, having handed it their random
-        streams. One a signal cuts short stays pending: the checkpoint saved at the signal runs it again."""
-        config, world = self.config, self.world
-        rng = world.gather(rng_states(self.sampler, self.device))
-        losses = self.estimate_loss(stop) if world.is_main else {}
-        stopped, losses = losses is None, losses or {}
-        non_finite = [split for split, loss in losses.items() if not math.isfinite(loss)]
-        if world.max(len(non_finite)):  # all processes stop together, with rank 0's message
-            if not world.is_main:
-                raise TrainingError(f"rank 0's evaluation at iter {self.iter_num} was not finite")
-            raise self.non_finite(f"{non_finite[0]} loss", losses[non_finite[0]])
-        self.eval_pending = stopped
-        if not world.is_main or stopped:
-            return
-        # Bits per character compare across tokenizers (nanoGPT's character-level Shakespeare: 2.12).
-        val_bpc = losses["val"] * self.batches.tokens_per_char["val"] / math.log(2)
-        self.log.line(f"iter {self.iter_num}: train loss {losses['train']:.4f}, val loss {losses['val']:.4f} "
-                      f"({val_bpc:.3f} bits/char)")
-        self.log.record({"iter": self.iter_num, "train_loss": losses["train"], "val_loss": losses["val"],
-                         "val_bpc": val_bpc})
-        improved = losses["val"] < self.best_val_loss
-        self.best_val_loss = min(self.best_val_loss, losses["val"])
-        if self.iter_num > 0 and (improved or config.always_save_checkpoint):
-            self.save(CHECKPOINT_NAME, rng)
-
-    def save(self, name, rng):
-        """A checkpoint of this iteration (rng: every process's random streams); a new ckpt.pt
-        removes the older resume.pt."""
-        path = os.path.join(self.config.out_dir, name)
-        save_checkpoint({
-            "model": self.raw_model.state_dict(), "optimizer": self.optimizer.state_dict(),
-            "scaler": self.scaler.state_dict(), "model_args": asdict(self.model_args), "config": asdict(self.config),
-            "iter": self.iter_num, "best_val_loss": self.best_val_loss, "eval_pending": self.eval_pending, "rng": rng,
-            "wandb_run_id": self.log.wandb_run.id if self.log.wandb_run is not None else None,
-            "gpt2_ids": self.batches.gpt2_ids,  # the model's token ids -> GPT-2's, for sample.py to decode
-        }, path)
-        if name == CHECKPOINT_NAME:
-            with contextlib.suppress(FileNotFoundError):
-                os.remove(os.path.join(self.config.out_dir, RESUME_NAME))
-        self.last_saved = (path, self.iter_num, self.eval_pending)
-
-    def save_at_signal(self, signum):
-        """Rank 0 saves this iteration in resume.pt (unless a checkpoint holds it) and says how to continue."""
-        name = signal.Signals(signum).name
-        rng = self.world.gather(rng_states(self.sampler, self.device))
-        if not self.world.is_main:
-            return
-        if self.last_saved is None or self.last_saved[1:] != (self.iter_num, self.eval_pending):
-            # The last update has not been through a loss yet: checked, so a signal never saves diverged weights.
-            self.model.eval()
-            loss = self.batch_loss(*self.batches.get("val", torch.Generator().manual_seed(self.config.seed)))
-            self.model.train()
-            if not math.isfinite(loss):
-                raise self.non_finite(f"{name}: the loss of the weights to save", loss)
-            self.save(RESUME_NAME, rng)
-        print(f"stopped by {name} at iter {self.iter_num}; checkpoint saved in {self.last_saved[0]}. "
-              "To continue, run the same command with --init_from=resume")
-
-    def non_finite(self, what, value):
-        """The error that stops a run whose loss is NaN or inf, saying which checkpoint is left."""
-        kept = (f"{self.last_saved[0]} still holds iter {self.last_saved[1]}, the last good checkpoint"
-                if self.last_saved is not None else "no checkpoint was saved")
-        return TrainingError(f"{what} is {value} at iter {self.iter_num}; stopped without saving ({kept}). "
-                             "A lower learning_rate or a smaller grad_clip may help")
-
-    def log_step(self, loss, lr, step_s, warmup):
-        """Rank 0 prints and logs the last step's loss and lr, and the mean step time since the last record."""
-        self.log.step_s = step_s
-        if not self.world.is_main:
-            return
-        tokens_per_s = self.tokens_per_iter / step_s
-        card_peak = peak_flops(self.device)
-        mfu = self.raw_model.flops_per_token() * tokens_per_s / (card_peak * self.world.size) if card_peak else None
-        peak_mem = peak_memory_mb(self.device)
-        self.log.line(f"iter {self.iter_num}: loss {loss:.4f}, lr {lr:.2e}, {1000 * step_s:.1f} ms/iter, "
-                      f"{tokens_per_s:,.0f} tok/s, mfu {'n/a' if mfu is None else f'{100 * mfu:.1f}%'}, "
-                      f"peak mem {'n/a' if peak_mem is None else f'{peak_mem:,.0f} MB'}, "
-                      f"ETA {self.log.eta(self.iter_num, self.eval_pending)}" + (" (warm-up)" if warmup else ""))
-        self.log.record({"iter": self.iter_num, "loss": loss, "lr": lr, "step_ms": 1000 * step_s,
-                  "tokens_per_s": tokens_per_s, "mfu": mfu, "peak_mem_mb": peak_mem, "warmup": warmup})
-
-    def print_summary(self):
-        """What this run trains, where; a warning when a config sized for a GPU runs on the CPU."""
-        config, world = self.config, self.world
-        processes = f" over {world.size} processes" if world.distributed else ""
-        print(f"{self.raw_model.num_params() / 1e6:.2f}M parameters, attn={config.attn}, device={self.device}, "
-              f"dtype={str(self.dtype).removeprefix('torch.')}, compile={config.compile}, "
-              f"cuda_graph={config.cuda_graph}, {self.tokens_per_iter:,} tokens per iteration{processes}")
-        if self.device.type == "cpu":
-            print(self.threads)
-        flop_per_iter = self.raw_model.flops_per_token() * self.tokens_per_iter
-        if self.device.type == "cpu" and flop_per_iter > 1e11:  # the CPU trains at 1e10-1e11 FLOP/s
-            print(f"warning: this config is sized for a GPU ({flop_per_iter / 1e12:.1f} TFLOP per iteration) and runs "
-                  "on the CPU, where each iteration and evaluation batch may take minutes; configs/tiny.py is sized "
-                  "for a CPU (python train.py configs/tiny.py)", file=sys.stderr)
-
 
 def train(config, world):
-    """Build the run, then run it holding out_dir. The Trainer (its DDP model holds the process
+    """Build the run, then train it holding out_dir. The Run (its DDP model holds the process
     group) must be freed before World.stop destroys the group, which collects it if a cycle holds it."""
-    trainer = Trainer(config, world)
+    run = Run(config, world)
     with out_dir_lock(config.out_dir) if world.is_main else contextlib.nullcontext():
-        return trainer.run()
+        return run_training(run)
+
+
+def run_training(run):
+    """Take out_dir (rank 0, under its lock), then train to max_iters; returns the exit status."""
+    config, world = run.config, run.world
+    run_config = {**asdict(config), "device": str(run.device), "dtype": str(run.dtype).removeprefix("torch."),
+                  "gpu": torch.cuda.get_device_name(run.device) if run.device.type == "cuda" else None,
+                  "world_size": world.size, "n_params": run.raw_model.num_params(),
+                  "tokens_per_iter": run.tokens_per_iter}
+    if world.is_main:
+        check_no_run(config)
+        # Before anything is written to out_dir, so a missing wandb login changes nothing there.
+        run.log.wandb_run = start_wandb(config, run_config, run.wandb_run_id) if config.wandb_log else None
+        resumed_at = run.iter_num if config.init_from == "resume" else None
+        start_out_dir(config.out_dir, run_config, resumed_at, run.eval_pending)
+        print_summary(run)
+    # The steady steps right after the timing warm-up; their logged times include the profiler's overhead.
+    batch = run.batches.get("train", torch.Generator().manual_seed(config.seed))  # for attention's memory
+    profiler = (step_profiler(config.out_dir, TIMING_WARMUP_STEPS, run.raw_model, batch, run.amp, attn=config.attn,
+                              compile=config.compile) if config.profile and world.is_main else None)
+    status = EXIT_ERROR  # what wandb records if an exception ends the run
+    try:
+        status = training_loop(run, profiler)
+        return status
+    finally:
+        if profiler is not None:
+            stop_profiler(profiler, config.out_dir, TIMING_WARMUP_STEPS)
+        if run.log.wandb_run is not None:
+            run.log.wandb_run.finish(exit_code=status)
+
+
+def training_loop(run, profiler):
+    """Evaluate when due, stop at a signal or at max_iters, else take a step; returns the exit status."""
+    config, world = run.config, run.world
+    stop = StopSignals(announce=world.is_main)
+    warmup_end = run.iter_num + TIMING_WARMUP_STEPS
+    step_seconds, steps_timed = 0.0, 0
+    while True:
+        if run.eval_pending:  # iter 0 of a new run, an evaluation's iteration, one a signal cut short
+            evaluate(run, stop)
+        signum = world.max(stop.received or 0)  # all processes stop at the same iteration
+        if signum:
+            save_at_signal(run, signum)
+            return 128 + signum
+        if run.iter_num >= config.max_iters:
+            return 0
+        lr = learning_rate_at(run.iter_num, config)
+        # Between two synchronisations: on a GPU the step ends when the GPU has done its work.
+        synchronize(run.device)
+        start = time.perf_counter()
+        # Drawn here, not prefetched, so the sampler's state between steps is what a checkpoint stores.
+        batches = [run.batches.get("train", run.sampler) for _ in range(run.micro_steps)]
+        loss = run.step(batches, lr)
+        synchronize(run.device)
+        step_seconds += time.perf_counter() - start
+        steps_timed += 1
+        run.iter_num += 1
+        if profiler is not None:
+            profiler.step()
+        if not math.isfinite(loss):
+            raise non_finite(run, "training loss", loss)
+        run.eval_pending = run.iter_num % config.eval_interval == 0 or run.iter_num == config.max_iters
+        # A record at the end of the warm-up too, so that no record mixes warm-up and steady steps.
+        if run.iter_num % config.log_interval == 0 or run.iter_num == warmup_end:
+            log_step(run, loss, lr, step_seconds / steps_timed, warmup=run.iter_num <= warmup_end)
+            step_seconds, steps_timed = 0.0, 0
+        elif world.is_main and run.log.due():
+            run.log.step_s = step_seconds / steps_timed
+            run.log.line(f"iter {run.iter_num}/{config.max_iters}: loss {loss:.4f}, {run.log.step_s:.1f} "
+                         f"s/iter, ETA {run.log.eta(run.iter_num, run.eval_pending)}")
+
+
+def batch_loss(run, x, y):
+    """The model's loss on one batch, as a float (the caller sets evaluation mode)."""
+    if run.config.compile:
+        torch.compiler.cudagraph_mark_step_begin()  # see training/step.py's forward_backward
+    with torch.no_grad(), run.amp:
+        _, loss = run.model(x, y)
+    return loss.item()
+
+
+def estimate_loss(run, stop):
+    """Mean loss over eval_iters batches per split, or None when a signal stopped it. Each split
+    draws from a generator seeded afresh: the same windows every time, training's sampler untouched."""
+    config, log, start, losses = run.config, run.log, time.perf_counter(), {}
+    run.model.eval()
+    for n, split in enumerate(("train", "val")):
+        generator, total = torch.Generator().manual_seed(config.seed), 0.0
+        for batch in range(config.eval_iters):
+            if stop.received:
+                run.model.train()
+                return None
+            total += batch_loss(run, *run.batches.get(split, generator))
+            log.batch_s = (time.perf_counter() - start) / (n * config.eval_iters + batch + 1)
+            if run.world.is_main and log.due():
+                left = ((2 - n) * config.eval_iters - batch - 1) * log.batch_s
+                log.line(f"evaluating at iter {run.iter_num}: {split} batch {batch + 1}/{config.eval_iters}, ETA "
+                         f"{tqdm.format_interval(left)}; the run's ETA {log.eta(run.iter_num, True, left)}")
+        losses[split] = total / config.eval_iters
+    run.model.train()
+    log.eval_s = time.perf_counter() - start
+    return losses
+
+
+def evaluate(run, stop):
+    """Rank 0 evaluates, logs and saves while the others wait, having handed it their random
+    streams. One a signal cuts short stays pending: the checkpoint saved at the signal runs it again."""
+    config, world = run.config, run.world
+    rng = world.gather(rng_states(run.sampler, run.device))
+    losses = estimate_loss(run, stop) if world.is_main else {}
+    stopped, losses = losses is None, losses or {}
+    non_finite_splits = [split for split, loss in losses.items() if not math.isfinite(loss)]
+    if world.max(len(non_finite_splits)):  # all processes stop together, with rank 0's message
+        if not world.is_main:
+            raise TrainingError(f"rank 0's evaluation at iter {run.iter_num} was not finite")
+        raise non_finite(run, f"{non_finite_splits[0]} loss", losses[non_finite_splits[0]])
+    run.eval_pending = stopped
+    if not world.is_main or stopped:
+        return
+    # Bits per character compare across tokenizers (nanoGPT's character-level Shakespeare: 2.12).
+    val_bpc = losses["val"] * run.batches.tokens_per_char["val"] / math.log(2)
+    run.log.line(f"iter {run.iter_num}: train loss {losses['train']:.4f}, val loss {losses['val']:.4f} "
+                 f"({val_bpc:.3f} bits/char)")
+    run.log.record({"iter": run.iter_num, "train_loss": losses["train"], "val_loss": losses["val"],
+                    "val_bpc": val_bpc})
+    improved = losses["val"] < run.best_val_loss
+    run.best_val_loss = min(run.best_val_loss, losses["val"])
+    if run.iter_num > 0 and (improved or config.always_save_checkpoint):
+        save(run, CHECKPOINT_NAME, rng)
+
+
+def save(run, name, rng):
+    """A checkpoint of this iteration (rng: every process's random streams); a new ckpt.pt
+    removes the older resume.pt."""
+    path = os.path.join(run.config.out_dir, name)
+    save_checkpoint({
+        "model": run.raw_model.state_dict(), "optimizer": run.optimizer.state_dict(),
+        "scaler": run.scaler.state_dict(), "model_args": asdict(run.model_args), "config": asdict(run.config),
+        "iter": run.iter_num, "best_val_loss": run.best_val_loss, "eval_pending": run.eval_pending, "rng": rng,
+        "wandb_run_id": run.log.wandb_run.id if run.log.wandb_run is not None else None,
+        "gpt2_ids": run.batches.gpt2_ids,  # the model's token ids -> GPT-2's, for sample.py to decode
+    }, path)
+    if name == CHECKPOINT_NAME:
+        with contextlib.suppress(FileNotFoundError):
+            os.remove(os.path.join(run.config.out_dir, RESUME_NAME))
+    run.last_saved = (path, run.iter_num, run.eval_pending)
+
+
+def save_at_signal(run, signum):
+    """Rank 0 saves this iteration in resume.pt (unless a checkpoint holds it) and says how to continue."""
+    name = signal.Signals(signum).name
+    rng = run.world.gather(rng_states(run.sampler, run.device))
+    if not run.world.is_main:
+        return
+    if run.last_saved is None or run.last_saved[1:] != (run.iter_num, run.eval_pending):
+        # The last update has not been through a loss yet: checked, so a signal never saves diverged weights.
+        run.model.eval()
+        loss = batch_loss(run, *run.batches.get("val", torch.Generator().manual_seed(run.config.seed)))
+        run.model.train()
+        if not math.isfinite(loss):
+            raise non_finite(run, f"{name}: the loss of the weights to save", loss)
+        save(run, RESUME_NAME, rng)
+    print(f"stopped by {name} at iter {run.iter_num}; checkpoint saved in {run.last_saved[0]}. "
+          "To continue, run the same command with --init_from=resume")
+
+
+def non_finite(run, what, value):
+    """The error that stops a run whose loss is NaN or inf, saying which checkpoint is left."""
+    kept = (f"{run.last_saved[0]} still holds iter {run.last_saved[1]}, the last good checkpoint"
+            if run.last_saved is not None else "no checkpoint was saved")
+    return TrainingError(f"{what} is {value} at iter {run.iter_num}; stopped without saving ({kept}). "
+                         "A lower learning_rate or a smaller grad_clip may help")
+
+
+def log_step(run, loss, lr, step_s, warmup):
+    """Rank 0 prints and logs the last step's loss and lr, and the mean step time since the last record."""
+    run.log.step_s = step_s
+    if not run.world.is_main:
+        return
+    tokens_per_s = run.tokens_per_iter / step_s
+    card_peak = peak_flops(run.device)
+    mfu = run.raw_model.flops_per_token() * tokens_per_s / (card_peak * run.world.size) if card_peak else None
+    peak_mem = peak_memory_mb(run.device)
+    run.log.line(f"iter {run.iter_num}: loss {loss:.4f}, lr {lr:.2e}, {1000 * step_s:.1f} ms/iter, "
+                 f"{tokens_per_s:,.0f} tok/s, mfu {'n/a' if mfu is None else f'{100 * mfu:.1f}%'}, "
+                 f"peak mem {'n/a' if peak_mem is None else f'{peak_mem:,.0f} MB'}, "
+                 f"ETA {run.log.eta(run.iter_num, run.eval_pending)}" + (" (warm-up)" if warmup else ""))
+    run.log.record({"iter": run.iter_num, "loss": loss, "lr": lr, "step_ms": 1000 * step_s,
+                    "tokens_per_s": tokens_per_s, "mfu": mfu, "peak_mem_mb": peak_mem, "warmup": warmup})
+
+
+def print_summary(run):
+    """What this run trains, where; a warning when a config sized for a GPU runs on the CPU."""
+    config, world = run.config, run.world
+    processes = f" over {world.size} processes" if world.distributed else ""
+    print(f"{run.raw_model.num_params() / 1e6:.2f}M parameters, attn={config.attn}, device={run.device}, "
+          f"dtype={str(run.dtype).removeprefix('torch.')}, compile={config.compile}, "
+          f"cuda_graph={config.cuda_graph}, {run.tokens_per_iter:,} tokens per iteration{processes}")
+    if run.device.type == "cpu":
+        print(run.threads)
+    flop_per_iter = run.raw_model.flops_per_token() * run.tokens_per_iter
+    if run.device.type == "cpu" and flop_per_iter > 1e11:  # the CPU trains at 1e10-1e11 FLOP/s
+        print(f"warning: this config is sized for a GPU ({flop_per_iter / 1e12:.1f} TFLOP per iteration) and runs "
+              "on the CPU, where each iteration and evaluation batch may take minutes; configs/tiny.py is sized "
+              "for a CPU (python train.py configs/tiny.py)", file=sys.stderr)
 
 
 def main():
