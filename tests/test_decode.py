@@ -388,7 +388,7 @@ def test_a_cuda_graph_decode_draws_the_tokens_of_the_uncaptured_one(attn, batch)
         for p in gpt.parameters():
             if p.dim() >= 2:
                 p.normal_(0.0, 0.5)
-        tokens = prompt(batch=batch).cuda()
+        tokens = prompt(batch=batch, vocab_size=gpt.config.vocab_size).cuda()
         expected_tokens = uncaptured_greedy(gpt, tokens, 20)
     assert all(len(set(row[5:].tolist())) > 10 for row in expected_tokens)
     # Captured uncompiled, then compiled; each twice: the first records the graph, the second
@@ -422,7 +422,7 @@ def test_a_cuda_graph_draws_the_sampled_tokens_of_the_uncaptured_decode_for_one_
     # the graph's second use.
     torch.manual_seed(0)
     gpt = GPT(GPTConfig(block_size=32, n_layer=2, n_head=2, n_embd=64, attn="sdpa")).cuda().eval()
-    tokens = prompt(batch=3).cuda()
+    tokens = prompt(batch=3, vocab_size=gpt.config.vocab_size).cuda()
     with torch.no_grad():
         torch.manual_seed(5)
         expected_tokens = uncaptured_sampled(gpt, tokens, 20, temperature=1.0, top_k=50)
