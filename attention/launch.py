@@ -131,12 +131,15 @@ def program_grid(tiles, heads, heads_first):
     return (heads, tiles) if heads_first else (tiles, heads)
 
 
-def shared_memory_bytes(config, smem_rows, head_dim, element_size):
+def shared_memory_bytes(config, smem_rows, head_dim, element_size, wgmma):
     """Shared memory a config needs. smem_rows(config) -> [(resident, streamed), ...], one pair
     per job a program of the kernel may do: how many rows of BLOCK_D it keeps for its whole life,
-    and how many each pipeline stage holds. TMA keeps num_stages stages in flight; cp.async
-    num_stages - 1 (the stage being computed on has moved to registers)."""
-    stages = config.num_stages if config.kwargs["USE_TMA"] else config.num_stages - 1
+    and how many each pipeline stage holds. TMA keeps num_stages stages in flight. cp.async keeps
+    num_stages - 1 where the matrix multiplies read their operands from registers (mma.sync: Ada,
+    Ampere, the consumer-card path), as the stage being computed on has moved there; Hopper's
+    wgmma reads them from shared memory (wgmma=True), so that stage stays: num_stages (at head
+    dim 256, 64 KB more for 64-key tiles in 16 bits)."""
+    stages = config.num_stages if config.kwargs["USE_TMA"] or wgmma else config.num_stages - 1
     rows = max(resident + stages * streamed for resident, streamed in smem_rows(config))
     return element_size * head_dim_block(head_dim) * rows + SHARED_MEMORY_SLACK_BYTES
 
@@ -148,7 +151,8 @@ def fitting_configs(configs, smem_rows, tensor, head_dim, n_q, n_k):
     would time mostly padding). At least the smallest config is always kept."""
     if (not has_tma(tensor.device) and not INTERPRETING) or head_dim_block(head_dim) != head_dim:
         configs = [c for c in configs if not c.kwargs["USE_TMA"]]
-    footprint = lambda c: shared_memory_bytes(c, smem_rows, head_dim, tensor.element_size())
+    wgmma = has_tma(tensor.device)  # sm_90 (a newer card is counted alike: an overestimate at worst)
+    footprint = lambda c: shared_memory_bytes(c, smem_rows, head_dim, tensor.element_size(), wgmma)
     fits = [c for c in configs if footprint(c) <= shared_memory_limit(tensor.device)] or [min(configs, key=footprint)]
     short = [c for c in fits if c.kwargs["BLOCK_M"] <= max(n_q, 16) and c.kwargs["BLOCK_N"] <= max(n_k, 16)]
     return short or [min(fits, key=lambda c: c.kwargs["BLOCK_M"] * c.kwargs["BLOCK_N"])]

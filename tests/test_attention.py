@@ -408,7 +408,8 @@ def test_the_consumer_card_keeps_configs_that_fit_it(head_dim, dtype, monkeypatc
         kept = fitting_configs(configs, smem_rows, q, head_dim, 4096, 4096)
         assert kept and not any(c.kwargs["USE_TMA"] for c in kept)
         size = q.element_size()
-        assert all(shared_memory_bytes(c, smem_rows, head_dim, size) <= launch.ADA_SHARED_MEMORY_BYTES for c in kept)
+        assert all(shared_memory_bytes(c, smem_rows, head_dim, size, False) <= launch.ADA_SHARED_MEMORY_BYTES
+                   for c in kept)
 
 
 def test_hopper_keeps_tma_configs_only_for_unpadded_head_dims(monkeypatch):
