@@ -8,6 +8,8 @@ sm_89) takes: no Hopper kernels, no TMA configs, shared memory capped at Ada's 9
 and Ampere-class mma.sync (attention/__init__.py sets DISABLE_MMA_V3=1). docs/learn.md says
 how far that is from the card itself.
 """
+import contextlib
+import ctypes
 import functools
 import os
 import sys
@@ -28,6 +30,7 @@ SHARED_MEMORY_SLACK_BYTES = 8192
 # The L2 cache of the target card: what the interpreter assumes (heads_first).
 ADA_L2_BYTES = 48 * 2 ** 20
 GRID_Y_LIMIT = 65535  # CUDA's limit on a grid's y dimension (x takes up to 2**31 - 1)
+RELAXED_CAPTURE_MODE = 2  # CUDA's CU_STREAM_CAPTURE_MODE_RELAXED
 TIMED_CONFIGS = 3  # a kernel's configs are listed best first; the tuner times the first few that fit
 
 
@@ -106,6 +109,27 @@ def set_tma_scratch_allocator():
     triton.set_allocator(lambda size, alignment, stream: torch.empty(size, dtype=torch.int8, device="cuda"))
 
 
+@contextlib.contextmanager
+def kernels_may_load(device):
+    """A kernel's first launch at a new specialization compiles it and loads its binary
+    (cuModuleLoadData, cuFuncSetAttribute), driver calls that a CUDA graph capture in torch's
+    default (global) mode refuses: "operation not permitted when stream is capturing", and the
+    capture is lost. Inside a capture, the launches in this block run with the thread in relaxed
+    mode, as torch's allocator runs its cudaMalloc in a capture: loading is no work on the
+    stream, and the graph records the same launches."""
+    if device.type != "cuda" or not torch.cuda.is_current_stream_capturing():
+        yield
+        return
+    exchange = ctypes.CDLL("libcuda.so.1").cuThreadExchangeStreamCaptureMode
+    mode = ctypes.c_int(RELAXED_CAPTURE_MODE)
+    if exchange(ctypes.byref(mode)) != 0:  # mode now holds the thread's own, to restore
+        raise RuntimeError("cuThreadExchangeStreamCaptureMode failed: cannot load kernels inside this capture")
+    try:
+        yield
+    finally:
+        exchange(ctypes.byref(mode))
+
+
 @functools.cache
 def shared_memory_limit(device):
     if INTERPRETING or device.type != "cuda":
@@ -158,6 +182,16 @@ def fitting_configs(configs, smem_rows, tensor, head_dim, n_q, n_k):
     return short or [min(fits, key=lambda c: c.kwargs["BLOCK_M"] * c.kwargs["BLOCK_N"])]
 
 
+def time_from_cuda_graph(kernel_call, quantiles):
+    """autotuned's timing. The interpreter times nothing, nor does a CUDA graph capture (a
+    timing synchronises, which a capture refuses), and neither runs the kernel here: the prune
+    leaves them one candidate, which Triton 3.6 still times (later releases take a lone
+    candidate untimed); in a capture the launch that follows is the one the graph records."""
+    if INTERPRETING or torch.cuda.is_current_stream_capturing():
+        return [0.0] * len(quantiles)
+    return triton.testing.do_bench_cudagraph(kernel_call, rep=20, quantiles=quantiles)
+
+
 def autotuned(configs, smem_rows, key):
     """triton.autotune over configs (best first), keyed on key (argument names; Triton adds the
     tensors' dtypes), pruned to the first TIMED_CONFIGS that fit (fitting_configs) and timed
@@ -176,9 +210,6 @@ def autotuned(configs, smem_rows, key):
         if torch.cuda.is_current_stream_capturing():
             return candidates[:1]
         return candidates[:TIMED_CONFIGS]
-
-    def time_from_cuda_graph(kernel_call, quantiles):
-        return triton.testing.do_bench_cudagraph(kernel_call, rep=20, quantiles=quantiles)
 
     return triton.autotune(configs=configs, key=key, prune_configs_by={"early_config_prune": prune},
                            do_bench=time_from_cuda_graph, cache_results=True)
