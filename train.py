@@ -177,9 +177,11 @@ class Trainer:
                 self.log_step(loss, lr, step_seconds / steps_timed, warmup=self.iter_num <= warmup_end)
                 step_seconds, steps_timed = 0.0, 0
             elif world.is_main and self.log.due():
-                self.log.step_s = step_seconds / steps_timed
-                self.log.line(f"iter {self.iter_num}/{config.max_iters}: loss {loss:.4f}, {self.log.step_s:.1f} "
-                              f"s/iter, ETA {self.log.eta(self.iter_num, self.eval_pending)}")
+                step_s = step_seconds / steps_timed
+                if self.iter_num > warmup_end:  # steps past the warm-up alone: what the ETA extrapolates
+                    self.log.step_s = step_s
+                self.log.line(f"iter {self.iter_num}/{config.max_iters}: loss {loss:.4f}, {step_s:.1f} s/iter, "
+                              f"{self.log.eta(self.iter_num, self.eval_pending)}")
 
     def step(self, passes, lr):
         """One optimizer step (passes: forward_backward or its CUDA graph); returns the mean loss,
@@ -228,7 +230,7 @@ class Trainer:
     def estimate_loss(self, stop):
         """Mean loss over eval_iters batches per split, or None when a signal stopped it. Each split
         draws from a generator seeded afresh: the same windows every time, training's sampler untouched."""
-        config, log, start, losses = self.config, self.log, time.perf_counter(), {}
+        config, log, losses = self.config, self.log, {}
         self.model.eval()
         for n, split in enumerate(("train", "val")):
             generator, total = torch.Generator().manual_seed(config.seed), 0.0
@@ -236,15 +238,16 @@ class Trainer:
                 if stop.received:
                     self.model.train()
                     return None
+                batch_start = time.perf_counter()
                 total += self.batch_loss(*self.batches.get(split, generator))
-                log.batch_s = (time.perf_counter() - start) / (n * config.eval_iters + batch + 1)
+                log.time_eval_batch(time.perf_counter() - batch_start)
                 if self.world.is_main and log.due():
-                    left = ((2 - n) * config.eval_iters - batch - 1) * log.batch_s
-                    log.line(f"evaluating at iter {self.iter_num}: {split} batch {batch + 1}/{config.eval_iters}, ETA "
-                             f"{tqdm.format_interval(left)}; the run's ETA {log.eta(self.iter_num, True, left)}")
+                    progress = f"evaluating at iter {self.iter_num}: {split} batch {batch + 1}/{config.eval_iters}"
+                    left, batch_s = (2 - n) * config.eval_iters - batch - 1, log.estimates()[1]
+                    log.line(f"{progress}, warming up" if batch_s is None else f"{progress}, ETA "
+                             f"{tqdm.format_interval(left * batch_s)}; the run's {log.eta(self.iter_num, True, left)}")
             losses[split] = total / config.eval_iters
         self.model.train()
-        log.eval_s = time.perf_counter() - start
         return losses
 
     def evaluate(self, stop):
@@ -315,7 +318,8 @@ class Trainer:
 
     def log_step(self, loss, lr, step_s, warmup):
         """Rank 0 prints and logs the last step's loss and lr, and the mean step time since the last record."""
-        self.log.step_s = step_s
+        if not warmup:
+            self.log.step_s = step_s
         if not self.world.is_main:
             return
         tokens_per_s = self.tokens_per_iter / step_s
@@ -325,7 +329,7 @@ class Trainer:
         self.log.line(f"iter {self.iter_num}: loss {loss:.4f}, lr {lr:.2e}, {1000 * step_s:.1f} ms/iter, "
                       f"{tokens_per_s:,.0f} tok/s, mfu {'n/a' if mfu is None else f'{100 * mfu:.1f}%'}, "
                       f"peak mem {'n/a' if peak_mem is None else f'{peak_mem:,.0f} MB'}, "
-                      f"ETA {self.log.eta(self.iter_num, self.eval_pending)}" + (" (warm-up)" if warmup else ""))
+                      f"{self.log.eta(self.iter_num, self.eval_pending)}" + (" (warm-up)" if warmup else ""))
         self.log.record({"iter": self.iter_num, "loss": loss, "lr": lr, "step_ms": 1000 * step_s,
                   "tokens_per_s": tokens_per_s, "mfu": mfu, "peak_mem_mb": peak_mem, "warmup": warmup})
 
