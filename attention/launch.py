@@ -11,6 +11,7 @@ how far that is from the card itself.
 import contextlib
 import ctypes
 import functools
+import math
 import os
 import sys
 import warnings
@@ -35,8 +36,11 @@ TIMED_CONFIGS = 3  # a kernel's configs are listed best first; the tuner times t
 
 
 def as_4d(t):
-    """(..., H, N, D) -> a (B, H, N, D) view (a copy only when the leading dims cannot be viewed)."""
-    return t.reshape((1,) * (4 - t.dim()) + t.shape) if t.dim() < 4 else t.reshape(-1, *t.shape[-3:])
+    """(..., H, N, D) -> a (B, H, N, D) view (a copy only when the leading dims cannot be viewed).
+    B is counted, not inferred (-1): with an empty dim anywhere, -1 could be any size."""
+    if t.dim() < 4:
+        return t.reshape((1,) * (4 - t.dim()) + t.shape)
+    return t.reshape(math.prod(t.shape[:-3]), *t.shape[-3:])
 
 
 def dense_strides(t):

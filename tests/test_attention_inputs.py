@@ -88,6 +88,25 @@ def test_a_window_side_past_every_sequence_is_unbounded_on_every_backend(backend
         torch.testing.assert_close(got.double(), ref, atol=1e-5, rtol=1e-5, msg=name)
 
 
+@pytest.mark.parametrize("backend", ["triton", "triton_fwd"])
+@pytest.mark.parametrize("q_shape,kv_shape", [((2, 2, 0, 16), (2, 2, 5, 16)), ((2, 2, 5, 16), (2, 2, 0, 16)),
+                                              ((2, 0, 5, 16), (2, 2, 5, 16))],
+                         ids=["no query rows", "no keys", "no query heads"])
+def test_a_4d_input_with_an_empty_dim_gives_what_eager_gives(backend, q_shape, kv_shape):
+    """Forward and backward; the Triton backends once failed in a reshape (-1 is ambiguous for
+    a tensor of no elements)."""
+    g = torch.Generator().manual_seed(6)
+    inputs = [torch.randn(*shape, generator=g) for shape in (q_shape, kv_shape, kv_shape)]
+    results = []
+    for b in ("eager", backend):
+        q1, k1, v1 = (t.clone().requires_grad_() for t in inputs)
+        o = attention(q1, k1, v1, is_causal=True, backend=b)
+        o.backward(torch.ones_like(o))
+        results.append((o, q1.grad, k1.grad, v1.grad))
+    for got, ref in zip(results[1], results[0]):
+        assert got.shape == ref.shape and torch.equal(got, ref)
+
+
 def test_unknown_backend_lists_the_valid_ones():
     with pytest.raises(ValueError, match="flash3") as info:
         attention(q, k, v, backend="flash3")
