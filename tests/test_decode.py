@@ -215,6 +215,18 @@ def test_bad_decode_inputs_are_named(bad, message):
         decode_attention(**bad_decode_args(**bad), backend="eager")
 
 
+@pytest.mark.parametrize("backend", BACKENDS)
+@pytest.mark.parametrize("rows", [("k", "v"), ("v",)], ids=["k and v", "v"])
+def test_a_key_or_value_of_more_than_one_row_is_refused_naming_it_on_every_backend(backend, rows):
+    """A step stores one token's key and value: the triton kernel stored and attended to the
+    first of two rows alone, silently, and the others failed with an IndexError."""
+    q, k, v, k_cache, v_cache = decode_inputs(1, 4, 2, 8, 16)
+    two_rows = {name: torch.cat((t, t + 1), dim=2) for name, t in (("k", k), ("v", v)) if name in rows}
+    args = {**dict(q=q, k=k, v=v, k_cache=k_cache, v_cache=v_cache, pos=torch.tensor([3])), **two_rows}
+    with pytest.raises(ValueError, match=rf"^{rows[0]} (must have shape \(B, H_kv, 1, D\)|has shape \(1, 2, 2, 16\))"):
+        decode_attention(**args, backend=backend)
+
+
 @pytest.mark.parametrize("name", ["q", "k_cache", "v_cache", "k", "v"])
 def test_the_triton_decode_backend_names_an_input_it_cannot_read(name):
     # The kernel reads each row along D with unit stride: a strided input must be refused by
