@@ -264,8 +264,8 @@ class GPT(nn.Module):
             raise ValueError(f"n_embd={config.n_embd} must be divisible by n_head={config.n_head}")
         if config.n_kv_head < 1 or config.n_head % config.n_kv_head != 0:
             raise ValueError(f"n_kv_head={config.n_kv_head} must divide n_head={config.n_head}")
-        if config.window < -1:
-            raise ValueError(f"window={config.window} must be -1 (no window) or an int >= 0")
+        if not -1 <= config.window < 2 ** 63:  # attention's window sides are int64
+            raise ValueError(f"window={config.window} must be -1 (no window) or an int >= 0 below 2**63")
         self.config = config
         self.transformer = nn.ModuleDict(dict(
             wte=nn.Embedding(config.padded_vocab_size, config.n_embd),

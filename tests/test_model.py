@@ -229,6 +229,7 @@ def test_token_ids_outside_the_vocabulary_are_refused_naming_the_argument(bad_id
     (dict(n_head=4, n_kv_head=8), "n_kv_head=8 must divide n_head=4"),
     (dict(n_head=4, n_kv_head=-1), "n_kv_head=-1 must divide n_head=4"),
     (dict(window=-2), "window=-2 must be -1 .no window. or an int >= 0"),
+    (dict(window=2 ** 63), "window=9223372036854775808 must be -1 .no window. or an int >= 0 below 2..63"),
     (dict(n_head=3), "n_embd=32 must be divisible by n_head=3"),
 ])
 def test_a_configuration_the_attention_cannot_run_is_refused(overrides, message):
