@@ -178,14 +178,15 @@ CHECKS = {
 
 
 def check_fits(ckpt, path, model_args, gpt2_ids, data_dir):
-    """Refuse to resume into a model of another shape (dropout and attn may change), or on data
-    whose token ids mean other GPT-2 tokens."""
-    shape_keys = ("n_layer", "n_head", "n_kv_head", "n_embd", "block_size", "bias", "vocab_size")
+    """Refuse to resume into a model of another shape or window (dropout and attn may change), or
+    on data whose token ids mean other GPT-2 tokens. The window shapes no weight, but weights
+    trained under one attention pattern would go on under another, and the next checkpoint name it."""
+    model_keys = ("n_layer", "n_head", "n_kv_head", "n_embd", "block_size", "bias", "vocab_size", "window")
     saved = dataclasses.asdict(GPTConfig(**ckpt["model_args"]))  # fields it lacks take their defaults
     differences = [f"{key}={saved[key]!r} there, {getattr(model_args, key)!r} here"
-                   for key in shape_keys if saved[key] != getattr(model_args, key)]
+                   for key in model_keys if saved[key] != getattr(model_args, key)]
     if differences:
-        raise RunFileError(f"{path} holds a model of a different shape ({'; '.join(differences)}). "
+        raise RunFileError(f"{path} holds a model of a different shape or window ({'; '.join(differences)}). "
                            "Resume with the config it was trained with, or train from scratch in another out_dir")
     saved_ids = ckpt["gpt2_ids"]
     if saved_ids != gpt2_ids:
