@@ -71,6 +71,23 @@ class GPTConfig:
         return math.ceil(self.vocab_size / 64) * 64
 
 
+def check_token_ids(name, ids, vocab_size):
+    """A ValueError naming ids when one lies outside [0, vocab_size): the embedding would read
+    outside its table, on the CPU an IndexError, on a GPU a device-side assert that kills the
+    process with no word on which input was wrong. Reading the ids' range is a host sync, which
+    torch.compile cannot trace and a CUDA graph capture refuses: inside those the check is left
+    out (the compiled or captured step reads the ids its caller checked or drew itself, as
+    StaticDecoder's draws are)."""
+    if torch.compiler.is_compiling() or (ids.is_cuda and torch.cuda.is_current_stream_capturing()):
+        return
+    if ids.numel() == 0:
+        return
+    low, high = torch.stack(torch.aminmax(ids)).tolist()
+    if low < 0 or high >= vocab_size:
+        raise ValueError(f"{name} holds token id {low if low < 0 else high}, outside the model's vocabulary "
+                         f"[0, {vocab_size})")
+
+
 class KVCache:
     """Every layer's keys and values: layers[i] is layer i's (k, v), two static
     (B, n_kv_head, block_size, D) buffers (grouped-query attention keeps n_head / n_kv_head
@@ -247,8 +264,8 @@ class GPT(nn.Module):
             raise ValueError(f"n_embd={config.n_embd} must be divisible by n_head={config.n_head}")
         if config.n_kv_head < 1 or config.n_head % config.n_kv_head != 0:
             raise ValueError(f"n_kv_head={config.n_kv_head} must divide n_head={config.n_head}")
-        if config.window < -1:
-            raise ValueError(f"window={config.window} must be -1 (no window) or an int >= 0")
+        if not -1 <= config.window < 2 ** 63:  # attention's window sides are int64
+            raise ValueError(f"window={config.window} must be -1 (no window) or an int >= 0 below 2**63")
         self.config = config
         self.transformer = nn.ModuleDict(dict(
             wte=nn.Embedding(config.padded_vocab_size, config.n_embd),
@@ -307,6 +324,7 @@ class GPT(nn.Module):
                              f"block_size={self.config.block_size}")
         if cache is not None and cache.batch_size != B:
             raise ValueError(f"idx has batch {B} but the cache was made for batch {cache.batch_size}")
+        check_token_ids("idx", idx, self.config.vocab_size)
         pos = torch.arange(start, start + T, device=idx.device)
         x = self.hidden_states(idx, pos, cache)
         if cache is not None:
@@ -328,8 +346,10 @@ class GPT(nn.Module):
     def decode_step(self, token, pos, cache):
         """Logits (B, 1, vocab) for token (B, 1) at position pos, a (1,) integer tensor on the
         device; its keys and values go into cache at pos (the caller keeps cache.length).
-        Nothing here asks the host for a value and every tensor has the same shape at every
-        step: this is what compile_decode_step compiles and CUDA graphs replay."""
+        Compiled or captured, nothing here asks the host for a value (the token's check is left
+        out there), and every tensor has the same shape at every step: this is what
+        compile_decode_step compiles and CUDA graphs replay."""
+        check_token_ids("token", token, self.config.vocab_size)
         return self.lm_head(self.hidden_states(token, pos, cache))
 
     def compile_decode_step(self, backend="inductor"):

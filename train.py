@@ -194,9 +194,11 @@ def training_loop(run, profiler):
             log_step(run, loss, lr, step_seconds / steps_timed, warmup=run.iter_num <= warmup_end)
             step_seconds, steps_timed = 0.0, 0
         elif world.is_main and run.log.due():
-            run.log.step_s = step_seconds / steps_timed
-            run.log.line(f"iter {run.iter_num}/{config.max_iters}: loss {loss:.4f}, {run.log.step_s:.1f} "
-                         f"s/iter, ETA {run.log.eta(run.iter_num, run.eval_pending)}")
+            step_s = step_seconds / steps_timed
+            if run.iter_num > warmup_end:  # steps past the warm-up alone: what the ETA extrapolates
+                run.log.step_s = step_s
+            run.log.line(f"iter {run.iter_num}/{config.max_iters}: loss {loss:.4f}, {step_s:.1f} s/iter, "
+                         f"{run.log.eta(run.iter_num, run.eval_pending)}")
 
 
 def batch_loss(run, x, y):
@@ -211,7 +213,7 @@ def batch_loss(run, x, y):
 def estimate_loss(run, stop):
     """Mean loss over eval_iters batches per split, or None when a signal stopped it. Each split
     draws from a generator seeded afresh: the same windows every time, training's sampler untouched."""
-    config, log, start, losses = run.config, run.log, time.perf_counter(), {}
+    config, log, losses = run.config, run.log, {}
     run.model.eval()
     for n, split in enumerate(("train", "val")):
         generator, total = torch.Generator().manual_seed(config.seed), 0.0
@@ -219,15 +221,16 @@ def estimate_loss(run, stop):
             if stop.received:
                 run.model.train()
                 return None
+            batch_start = time.perf_counter()
             total += batch_loss(run, *run.batches.get(split, generator))
-            log.batch_s = (time.perf_counter() - start) / (n * config.eval_iters + batch + 1)
+            log.time_eval_batch(time.perf_counter() - batch_start)
             if run.world.is_main and log.due():
-                left = ((2 - n) * config.eval_iters - batch - 1) * log.batch_s
-                log.line(f"evaluating at iter {run.iter_num}: {split} batch {batch + 1}/{config.eval_iters}, ETA "
-                         f"{tqdm.format_interval(left)}; the run's ETA {log.eta(run.iter_num, True, left)}")
+                progress = f"evaluating at iter {run.iter_num}: {split} batch {batch + 1}/{config.eval_iters}"
+                left, batch_s = (2 - n) * config.eval_iters - batch - 1, log.estimates()[1]
+                log.line(f"{progress}, warming up" if batch_s is None else f"{progress}, ETA "
+                         f"{tqdm.format_interval(left * batch_s)}; the run's {log.eta(run.iter_num, True, left)}")
         losses[split] = total / config.eval_iters
     run.model.train()
-    log.eval_s = time.perf_counter() - start
     return losses
 
 
@@ -303,7 +306,8 @@ def non_finite(run, what, value):
 
 def log_step(run, loss, lr, step_s, warmup):
     """Rank 0 prints and logs the last step's loss and lr, and the mean step time since the last record."""
-    run.log.step_s = step_s
+    if not warmup:
+        run.log.step_s = step_s
     if not run.world.is_main:
         return
     tokens_per_s = run.tokens_per_iter / step_s
@@ -313,7 +317,7 @@ def log_step(run, loss, lr, step_s, warmup):
     run.log.line(f"iter {run.iter_num}: loss {loss:.4f}, lr {lr:.2e}, {1000 * step_s:.1f} ms/iter, "
                  f"{tokens_per_s:,.0f} tok/s, mfu {'n/a' if mfu is None else f'{100 * mfu:.1f}%'}, "
                  f"peak mem {'n/a' if peak_mem is None else f'{peak_mem:,.0f} MB'}, "
-                 f"ETA {run.log.eta(run.iter_num, run.eval_pending)}" + (" (warm-up)" if warmup else ""))
+                 f"{run.log.eta(run.iter_num, run.eval_pending)}" + (" (warm-up)" if warmup else ""))
     run.log.record({"iter": run.iter_num, "loss": loss, "lr": lr, "step_ms": 1000 * step_s,
                     "tokens_per_s": tokens_per_s, "mfu": mfu, "peak_mem_mb": peak_mem, "warmup": warmup})
 

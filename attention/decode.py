@@ -33,7 +33,10 @@ def check_decode_inputs(q, k, v, k_cache, v_cache, pos, window_size):
     check_inputs(q, k, v, False, window_size)
     if q.dim() != 4 or q.shape[2] != 1:
         raise ValueError(f"q must have shape (B, H, 1, D), one new token per sequence, got shape {tuple(q.shape)}")
-    B, H_kv, _, D = k.shape
+    B, H_kv, rows, D = k.shape
+    if rows != 1:
+        raise ValueError(f"k must have shape (B, H_kv, 1, D), the new token's key (v its value), got shape "
+                         f"{tuple(k.shape)}")
     for name, cache in (("k_cache", k_cache), ("v_cache", v_cache)):
         check_tensor(name, cache)
         if cache.dim() != 4 or (cache.shape[0], cache.shape[1], cache.shape[3]) != (B, H_kv, D):

@@ -27,11 +27,11 @@ UNBOUNDED = 2 ** 30
 
 
 def window_bounds(is_causal, window_size):
-    """(left, right), each an int >= 0: the keys a query sees before and after its own position."""
-    left, right = window_size
-    left = UNBOUNDED if left < 0 else left
-    right = 0 if is_causal else UNBOUNDED if right < 0 else right
-    return left, right
+    """(left, right), each an int in [0, UNBOUNDED]: the keys a query sees before and after its
+    own position. A side of UNBOUNDED or more reaches as far as -1 does, and is UNBOUNDED: the
+    kernels add the sides to 32-bit positions, where a side near 2**31 would wrap around."""
+    left, right = (UNBOUNDED if side < 0 else min(side, UNBOUNDED) for side in window_size)
+    return left, 0 if is_causal else right
 
 
 def visible_keys(n_q, n_k, left, right, device=None):

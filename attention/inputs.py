@@ -37,9 +37,11 @@ def check_inputs(q, k, v, is_causal, window_size=(-1, -1)):
 def check_mask(is_causal, window_size):
     if not isinstance(is_causal, bool):
         raise ValueError(f"is_causal must be a bool, got {is_causal!r}")
+    # A side is an int64 in every backend's arguments (the Triton operators' schema, the masks' tensors).
     if (not isinstance(window_size, (tuple, list)) or len(window_size) != 2
-            or not all(type(side) is int and side >= -1 for side in window_size)):
-        raise ValueError(f"window_size must be (left, right), two ints >= -1 (-1: unbounded), got {window_size!r}")
+            or not all(type(side) is int and -1 <= side < 2 ** 63 for side in window_size)):
+        raise ValueError(f"window_size must be (left, right), two ints >= -1 and below 2**63 (-1: unbounded), got "
+                         f"{window_size!r}")
     if is_causal and window_size[1] > 0:
         raise ValueError(f"window_size={tuple(window_size)} with is_causal=True: causal means right = 0; pass "
                          "is_causal=False to see keys after the query")

@@ -8,7 +8,10 @@ sm_89) takes: no Hopper kernels, no TMA configs, shared memory capped at Ada's 9
 and Ampere-class mma.sync (attention/__init__.py sets DISABLE_MMA_V3=1). docs/learn.md says
 how far that is from the card itself.
 """
+import contextlib
+import ctypes
 import functools
+import math
 import os
 import sys
 import warnings
@@ -28,12 +31,16 @@ SHARED_MEMORY_SLACK_BYTES = 8192
 # The L2 cache of the target card: what the interpreter assumes (heads_first).
 ADA_L2_BYTES = 48 * 2 ** 20
 GRID_Y_LIMIT = 65535  # CUDA's limit on a grid's y dimension (x takes up to 2**31 - 1)
+RELAXED_CAPTURE_MODE = 2  # CUDA's CU_STREAM_CAPTURE_MODE_RELAXED
 TIMED_CONFIGS = 3  # a kernel's configs are listed best first; the tuner times the first few that fit
 
 
 def as_4d(t):
-    """(..., H, N, D) -> a (B, H, N, D) view (a copy only when the leading dims cannot be viewed)."""
-    return t.reshape((1,) * (4 - t.dim()) + t.shape) if t.dim() < 4 else t.reshape(-1, *t.shape[-3:])
+    """(..., H, N, D) -> a (B, H, N, D) view (a copy only when the leading dims cannot be viewed).
+    B is counted, not inferred (-1): with an empty dim anywhere, -1 could be any size."""
+    if t.dim() < 4:
+        return t.reshape((1,) * (4 - t.dim()) + t.shape)
+    return t.reshape(math.prod(t.shape[:-3]), *t.shape[-3:])
 
 
 def dense_strides(t):
@@ -106,6 +113,27 @@ def set_tma_scratch_allocator():
     triton.set_allocator(lambda size, alignment, stream: torch.empty(size, dtype=torch.int8, device="cuda"))
 
 
+@contextlib.contextmanager
+def kernels_may_load(device):
+    """A kernel's first launch at a new specialization compiles it and loads its binary
+    (cuModuleLoadData, cuFuncSetAttribute), driver calls that a CUDA graph capture in torch's
+    default (global) mode refuses: "operation not permitted when stream is capturing", and the
+    capture is lost. Inside a capture, the launches in this block run with the thread in relaxed
+    mode, as torch's allocator runs its cudaMalloc in a capture: loading is no work on the
+    stream, and the graph records the same launches."""
+    if device.type != "cuda" or not torch.cuda.is_current_stream_capturing():
+        yield
+        return
+    exchange = ctypes.CDLL("libcuda.so.1").cuThreadExchangeStreamCaptureMode
+    mode = ctypes.c_int(RELAXED_CAPTURE_MODE)
+    if exchange(ctypes.byref(mode)) != 0:  # mode now holds the thread's own, to restore
+        raise RuntimeError("cuThreadExchangeStreamCaptureMode failed: cannot load kernels inside this capture")
+    try:
+        yield
+    finally:
+        exchange(ctypes.byref(mode))
+
+
 @functools.cache
 def shared_memory_limit(device):
     if INTERPRETING or device.type != "cuda":
@@ -131,12 +159,15 @@ def program_grid(tiles, heads, heads_first):
     return (heads, tiles) if heads_first else (tiles, heads)
 
 
-def shared_memory_bytes(config, smem_rows, head_dim, element_size):
+def shared_memory_bytes(config, smem_rows, head_dim, element_size, wgmma):
     """Shared memory a config needs. smem_rows(config) -> [(resident, streamed), ...], one pair
     per job a program of the kernel may do: how many rows of BLOCK_D it keeps for its whole life,
-    and how many each pipeline stage holds. TMA keeps num_stages stages in flight; cp.async
-    num_stages - 1 (the stage being computed on has moved to registers)."""
-    stages = config.num_stages if config.kwargs["USE_TMA"] else config.num_stages - 1
+    and how many each pipeline stage holds. TMA keeps num_stages stages in flight. cp.async keeps
+    num_stages - 1 where the matrix multiplies read their operands from registers (mma.sync: Ada,
+    Ampere, the consumer-card path), as the stage being computed on has moved there; Hopper's
+    wgmma reads them from shared memory (wgmma=True), so that stage stays: num_stages (at head
+    dim 256, 64 KB more for 64-key tiles in 16 bits)."""
+    stages = config.num_stages if config.kwargs["USE_TMA"] or wgmma else config.num_stages - 1
     rows = max(resident + stages * streamed for resident, streamed in smem_rows(config))
     return element_size * head_dim_block(head_dim) * rows + SHARED_MEMORY_SLACK_BYTES
 
@@ -148,10 +179,21 @@ def fitting_configs(configs, smem_rows, tensor, head_dim, n_q, n_k):
     would time mostly padding). At least the smallest config is always kept."""
     if (not has_tma(tensor.device) and not INTERPRETING) or head_dim_block(head_dim) != head_dim:
         configs = [c for c in configs if not c.kwargs["USE_TMA"]]
-    footprint = lambda c: shared_memory_bytes(c, smem_rows, head_dim, tensor.element_size())
+    wgmma = has_tma(tensor.device)  # sm_90 (a newer card is counted alike: an overestimate at worst)
+    footprint = lambda c: shared_memory_bytes(c, smem_rows, head_dim, tensor.element_size(), wgmma)
     fits = [c for c in configs if footprint(c) <= shared_memory_limit(tensor.device)] or [min(configs, key=footprint)]
     short = [c for c in fits if c.kwargs["BLOCK_M"] <= max(n_q, 16) and c.kwargs["BLOCK_N"] <= max(n_k, 16)]
     return short or [min(fits, key=lambda c: c.kwargs["BLOCK_M"] * c.kwargs["BLOCK_N"])]
+
+
+def time_from_cuda_graph(kernel_call, quantiles):
+    """autotuned's timing. The interpreter times nothing, nor does a CUDA graph capture (a
+    timing synchronises, which a capture refuses), and neither runs the kernel here: the prune
+    leaves them one candidate, which Triton 3.6 still times (later releases take a lone
+    candidate untimed); in a capture the launch that follows is the one the graph records."""
+    if INTERPRETING or torch.cuda.is_current_stream_capturing():
+        return [0.0] * len(quantiles)
+    return triton.testing.do_bench_cudagraph(kernel_call, rep=20, quantiles=quantiles)
 
 
 def autotuned(configs, smem_rows, key):
@@ -172,9 +214,6 @@ def autotuned(configs, smem_rows, key):
         if torch.cuda.is_current_stream_capturing():
             return candidates[:1]
         return candidates[:TIMED_CONFIGS]
-
-    def time_from_cuda_graph(kernel_call, quantiles):
-        return triton.testing.do_bench_cudagraph(kernel_call, rep=20, quantiles=quantiles)
 
     return triton.autotune(configs=configs, key=key, prune_configs_by={"early_config_prune": prune},
                            do_bench=time_from_cuda_graph, cache_results=True)

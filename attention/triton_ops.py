@@ -21,7 +21,7 @@ import torch
 from torch import Tensor
 
 from .inputs import check_inputs, check_triton_inputs, first_order_only
-from .launch import as_4d, check_kernel_device, new_like
+from .launch import as_4d, check_kernel_device, kernels_may_load, new_like
 from .recompute_backward import recompute_backward
 from .triton_backward import flash_backward
 from .triton_forward import flash_forward
@@ -31,7 +31,8 @@ from .triton_forward import flash_forward
 def flash_forward_op(q: Tensor, k: Tensor, v: Tensor, is_causal: bool, window_left: int,
                      window_right: int) -> tuple[Tensor, Tensor]:
     check_kernel_device(q)
-    o, lse = flash_forward(q, k, v, is_causal, (window_left, window_right))
+    with kernels_may_load(q.device):
+        o, lse = flash_forward(q, k, v, is_causal, (window_left, window_right))
     return o.view(q.shape), lse.view(q.shape[:-1])
 
 
@@ -43,7 +44,8 @@ def _(q, k, v, is_causal, window_left, window_right):
 @torch.library.custom_op("nanofa2::flash_backward", mutates_args=())
 def flash_backward_op(q: Tensor, k: Tensor, v: Tensor, o: Tensor, do: Tensor, lse: Tensor, is_causal: bool,
                       window_left: int, window_right: int) -> tuple[Tensor, Tensor, Tensor]:
-    grads = flash_backward(q, k, v, o, do, lse, is_causal, (window_left, window_right))
+    with kernels_may_load(q.device):
+        grads = flash_backward(q, k, v, o, do, lse, is_causal, (window_left, window_right))
     return tuple(g.view(t.shape) for g, t in zip(grads, (q, k, v)))
 
 

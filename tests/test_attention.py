@@ -14,8 +14,8 @@ from attention.hopper import common as hopper_common
 from attention.hopper import forward as hopper_forward
 from attention.launch import descriptor_ready, fitting_configs, shared_memory_bytes
 from attention.tiled import tiled_forward
-from attention.triton_backward import BACKWARD_CONFIGS, backward_smem_rows, flash_backward
-from attention.triton_forward import FORWARD_CONFIGS, flash_forward, forward_smem_rows
+from attention.triton_backward import BACKWARD_CONFIGS, _attn_bwd, backward_smem_rows, flash_backward
+from attention.triton_forward import FORWARD_CONFIGS, _attn_fwd, flash_forward, forward_smem_rows
 
 import triton  # noqa: E402, I001  (after attention, which decides whether Triton interprets)
 
@@ -408,7 +408,8 @@ def test_the_consumer_card_keeps_configs_that_fit_it(head_dim, dtype, monkeypatc
         kept = fitting_configs(configs, smem_rows, q, head_dim, 4096, 4096)
         assert kept and not any(c.kwargs["USE_TMA"] for c in kept)
         size = q.element_size()
-        assert all(shared_memory_bytes(c, smem_rows, head_dim, size) <= launch.ADA_SHARED_MEMORY_BYTES for c in kept)
+        assert all(shared_memory_bytes(c, smem_rows, head_dim, size, False) <= launch.ADA_SHARED_MEMORY_BYTES
+                   for c in kept)
 
 
 def test_hopper_keeps_tma_configs_only_for_unpadded_head_dims(monkeypatch):
@@ -424,6 +425,39 @@ def test_short_sequences_keep_short_tiles(monkeypatch):
     q = torch.empty(1, 1, 20, 64, dtype=torch.bfloat16, device="meta")
     kept = fitting_configs(FORWARD_CONFIGS, forward_smem_rows, q, 64, 20, 20)
     assert kept and all(c.kwargs["BLOCK_M"] <= 20 and c.kwargs["BLOCK_N"] <= 20 for c in kept)
+
+
+def test_the_tuner_times_and_runs_nothing_inside_a_cuda_graph_capture(monkeypatch):
+    """Triton 3.6 times the one candidate the prune leaves in a capture; a timing synchronises,
+    which the capture refuses, and the capture is lost."""
+    monkeypatch.setattr(launch, "INTERPRETING", False)
+    monkeypatch.setattr(torch.cuda, "is_current_stream_capturing", lambda: True)
+    ran = []
+    for kernel in (_attn_fwd, _attn_bwd):
+        assert kernel.do_bench(lambda: ran.append(kernel), quantiles=(0.5, 0.2, 0.8)) == [0.0, 0.0, 0.0]
+    assert ran == []
+
+
+def test_kernels_load_inside_a_capture_in_relaxed_mode_and_the_threads_mode_comes_back(monkeypatch):
+    """kernels_may_load swaps the thread's capture mode (a fake driver here: global, 0) for
+    relaxed inside a capture, restores it on the way out, error or not, and leaves it alone
+    outside a capture."""
+    thread_mode = [0]
+
+    def exchange(pointer):
+        thread_mode[0], pointer._obj.value = pointer._obj.value, thread_mode[0]
+        return 0
+
+    monkeypatch.setattr(launch.ctypes, "CDLL", lambda name: type("Driver", (), {
+        "cuThreadExchangeStreamCaptureMode": staticmethod(exchange)}))
+    cuda = torch.device("cuda")
+    for capturing in (False, True):
+        monkeypatch.setattr(torch.cuda, "is_current_stream_capturing", lambda: capturing)
+        with launch.kernels_may_load(cuda):
+            assert thread_mode == [launch.RELAXED_CAPTURE_MODE if capturing else 0]
+        with pytest.raises(KeyError), launch.kernels_may_load(cuda):
+            raise KeyError("a failed launch")
+        assert thread_mode == [0]
 
 
 def test_triton_imported_first_still_interprets_on_the_cpu():

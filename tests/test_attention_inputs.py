@@ -49,6 +49,7 @@ def test_is_causal_must_be_a_bool(entry):
 
 
 @pytest.mark.parametrize("window_size,expected", [((2,), "two ints"), ((1.5, 0), "two ints"), ((-2, 0), ">= -1"),
+                                                  ((0, 2 ** 63), "below 2**63"),
                                                   ("wide", "two ints"), ((3, 4), "causal means right = 0")])
 @pytest.mark.parametrize("entry", ENTRY_POINTS)
 def test_bad_windows_are_named(entry, window_size, expected):
@@ -63,6 +64,47 @@ def test_every_backend_checks_its_inputs(backend):
         attention(q, torch.randn(2, 3, 8, 16), torch.randn(2, 3, 8, 16), backend=backend)
     with pytest.raises(ValueError, match="window_size"):
         attention(q, k, v, backend=backend, window_size=(-5, 0))
+    # Past int64 (the Triton operators' schema, the masks' tensors): once an OverflowError or a RuntimeError.
+    for window_size in ((2 ** 63, 0), (-1, 2 ** 70)):
+        with pytest.raises(ValueError, match=r"window_size must be .*below 2\*\*63"):
+            attention(q, k, v, backend=backend, window_size=window_size)
+
+
+@pytest.mark.parametrize("backend", BACKENDS)
+@pytest.mark.parametrize("is_causal,window_size", [(False, (-1, 2 ** 31 - 1)), (True, (2 ** 31 - 1, 0)),
+                                                   (False, (2 ** 31 - 1, 2 ** 62))])
+def test_a_window_side_past_every_sequence_is_unbounded_on_every_backend(backend, is_causal, window_size):
+    """A side near 2**31 once wrapped around in the Triton kernels, which add it to 32-bit
+    positions: the forward dropped keys, the backward query tiles of dK and dV, silently."""
+    g = torch.Generator().manual_seed(5)
+    q1, k1, v1 = (torch.randn(1, 2, 70, 16, generator=g).requires_grad_() for _ in range(3))
+    do = torch.randn(1, 2, 70, 16, generator=g)
+    o = attention(q1, k1, v1, is_causal, backend, window_size)
+    grads = torch.autograd.grad(o, (q1, k1, v1), do)
+    inputs64 = [t.detach().double().requires_grad_() for t in (q1, k1, v1)]
+    o_ref = attention(*inputs64, is_causal, "eager", (-1, 0 if is_causal else -1))
+    refs = (o_ref, *torch.autograd.grad(o_ref, inputs64, do.double()))
+    for name, got, ref in zip(("O", "dQ", "dK", "dV"), (o, *grads), refs):
+        torch.testing.assert_close(got.double(), ref, atol=1e-5, rtol=1e-5, msg=name)
+
+
+@pytest.mark.parametrize("backend", ["triton", "triton_fwd"])
+@pytest.mark.parametrize("q_shape,kv_shape", [((2, 2, 0, 16), (2, 2, 5, 16)), ((2, 2, 5, 16), (2, 2, 0, 16)),
+                                              ((2, 0, 5, 16), (2, 2, 5, 16))],
+                         ids=["no query rows", "no keys", "no query heads"])
+def test_a_4d_input_with_an_empty_dim_gives_what_eager_gives(backend, q_shape, kv_shape):
+    """Forward and backward; the Triton backends once failed in a reshape (-1 is ambiguous for
+    a tensor of no elements)."""
+    g = torch.Generator().manual_seed(6)
+    inputs = [torch.randn(*shape, generator=g) for shape in (q_shape, kv_shape, kv_shape)]
+    results = []
+    for b in ("eager", backend):
+        q1, k1, v1 = (t.clone().requires_grad_() for t in inputs)
+        o = attention(q1, k1, v1, is_causal=True, backend=b)
+        o.backward(torch.ones_like(o))
+        results.append((o, q1.grad, k1.grad, v1.grad))
+    for got, ref in zip(results[1], results[0]):
+        assert got.shape == ref.shape and torch.equal(got, ref)
 
 
 def test_unknown_backend_lists_the_valid_ones():

@@ -115,6 +115,16 @@ def test_train_rejects_values_out_of_range(tmp_path):
     assert "n_embd=64: expected a positive multiple of n_head=3" in result.stderr
 
 
+@pytest.mark.parametrize("script, args", [("train.py", ["configs/tiny.py"]), ("sample.py", ["--init_from=random"])])
+def test_a_window_past_int64_is_a_bad_config_in_one_line(script, args, tmp_path):
+    """Attention's window sides are int64: a 20-digit window was a traceback from inside the model."""
+    result = run_script(script, *args, "--window=123456789012345678901", f"--out_dir={tmp_path / 'out'}")
+    assert result.returncode == EXIT_BAD_CONFIG
+    assert result.stderr.strip() == ("config error: window=123456789012345678901: expected -1 (every key before the "
+                                     "query) or an int >= 0 below 2**63")
+    assert not (tmp_path / "out").exists()
+
+
 @pytest.mark.parametrize("attn", ["triton", "triton_fwd"])
 @pytest.mark.parametrize("n_embd, head_dim", [(36, 18), (528, 264)], ids=["not a multiple of 8", "over 256"])
 def test_train_rejects_a_head_dim_the_triton_kernels_cannot_take(attn, n_embd, head_dim, tmp_path):

@@ -215,6 +215,18 @@ def test_bad_decode_inputs_are_named(bad, message):
         decode_attention(**bad_decode_args(**bad), backend="eager")
 
 
+@pytest.mark.parametrize("backend", BACKENDS)
+@pytest.mark.parametrize("rows", [("k", "v"), ("v",)], ids=["k and v", "v"])
+def test_a_key_or_value_of_more_than_one_row_is_refused_naming_it_on_every_backend(backend, rows):
+    """A step stores one token's key and value: the triton kernel stored and attended to the
+    first of two rows alone, silently, and the others failed with an IndexError."""
+    q, k, v, k_cache, v_cache = decode_inputs(1, 4, 2, 8, 16)
+    two_rows = {name: torch.cat((t, t + 1), dim=2) for name, t in (("k", k), ("v", v)) if name in rows}
+    args = {**dict(q=q, k=k, v=v, k_cache=k_cache, v_cache=v_cache, pos=torch.tensor([3])), **two_rows}
+    with pytest.raises(ValueError, match=rf"^{rows[0]} (must have shape \(B, H_kv, 1, D\)|has shape \(1, 2, 2, 16\))"):
+        decode_attention(**args, backend=backend)
+
+
 @pytest.mark.parametrize("name", ["q", "k_cache", "v_cache", "k", "v"])
 def test_the_triton_decode_backend_names_an_input_it_cannot_read(name):
     # The kernel reads each row along D with unit stride: a strided input must be refused by
@@ -388,7 +400,7 @@ def test_a_cuda_graph_decode_draws_the_tokens_of_the_uncaptured_one(attn, batch)
         for p in gpt.parameters():
             if p.dim() >= 2:
                 p.normal_(0.0, 0.5)
-        tokens = prompt(batch=batch).cuda()
+        tokens = prompt(batch=batch, vocab_size=gpt.config.vocab_size).cuda()
         expected_tokens = uncaptured_greedy(gpt, tokens, 20)
     assert all(len(set(row[5:].tolist())) > 10 for row in expected_tokens)
     # Captured uncompiled, then compiled; each twice: the first records the graph, the second
@@ -422,7 +434,7 @@ def test_a_cuda_graph_draws_the_sampled_tokens_of_the_uncaptured_decode_for_one_
     # the graph's second use.
     torch.manual_seed(0)
     gpt = GPT(GPTConfig(block_size=32, n_layer=2, n_head=2, n_embd=64, attn="sdpa")).cuda().eval()
-    tokens = prompt(batch=3).cuda()
+    tokens = prompt(batch=3, vocab_size=gpt.config.vocab_size).cuda()
     with torch.no_grad():
         torch.manual_seed(5)
         expected_tokens = uncaptured_sampled(gpt, tokens, 20, temperature=1.0, top_k=50)

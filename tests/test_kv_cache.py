@@ -32,8 +32,10 @@ def context_sensitive_gpt(attn, **overrides):
     return gpt.eval()
 
 
-def prompt(batch=2, length=5):
-    return torch.randint(0, 50257, (batch, length), generator=torch.Generator().manual_seed(1))
+def prompt(batch=2, length=5, vocab_size=50257):
+    """Token ids below vocab_size: context_sensitive_gpt's vocabulary by default; pass another
+    model's (gpt.config.vocab_size), or its embedding reads outside its table."""
+    return torch.randint(0, vocab_size, (batch, length), generator=torch.Generator().manual_seed(1))
 
 
 @pytest.mark.parametrize("heads", ["multi-head", "gqa+window"])

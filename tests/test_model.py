@@ -205,11 +205,31 @@ def test_generate_crops_to_block_size_and_never_draws_padding_ids():
     assert int(out.max()) < 50257
 
 
+@pytest.mark.parametrize("bad_id", [-1, 100, 112])  # 112: inside the padded table (100 -> 128 rows), past the vocabulary
+def test_token_ids_outside_the_vocabulary_are_refused_naming_the_argument(bad_id):
+    """Before any kernel runs: on a GPU the embedding's out-of-range read is a device-side assert
+    that kills the process, and an id among the padding rows reads an untrained row silently."""
+    gpt = small_gpt(vocab_size=100).eval()
+    tokens = random_tokens(length=8) % 100
+    tokens[1, 3] = bad_id
+    message = rf"holds token id {bad_id}, outside the model's vocabulary \[0, 100\)"
+    with pytest.raises(ValueError, match="idx " + message):
+        gpt(tokens, targets=tokens % 100)
+    with pytest.raises(ValueError, match="idx " + message):
+        gpt.generate(tokens, max_new_tokens=2)
+    cache = gpt.new_cache(2)
+    gpt(tokens[:, :3] % 100, cache=cache)
+    with pytest.raises(ValueError, match="token " + message):
+        gpt.decode_step(tokens[:, 3:4], torch.tensor([3]), cache)
+    assert gpt(tokens % 100, targets=tokens % 100)[1].isfinite()  # the same batch inside it runs
+
+
 @pytest.mark.parametrize("overrides, message", [
     (dict(n_head=4, n_kv_head=3), "n_kv_head=3 must divide n_head=4"),
     (dict(n_head=4, n_kv_head=8), "n_kv_head=8 must divide n_head=4"),
     (dict(n_head=4, n_kv_head=-1), "n_kv_head=-1 must divide n_head=4"),
     (dict(window=-2), "window=-2 must be -1 .no window. or an int >= 0"),
+    (dict(window=2 ** 63), "window=9223372036854775808 must be -1 .no window. or an int >= 0 below 2..63"),
     (dict(n_head=3), "n_embd=32 must be divisible by n_head=3"),
 ])
 def test_a_configuration_the_attention_cannot_run_is_refused(overrides, message):

@@ -114,6 +114,20 @@ def test_a_malformed_checkpoint_is_one_line_and_exit_1_before_any_work(script, k
     assert "parameters" not in result.stdout and not (tmp_path / "metrics.jsonl").exists()
 
 
+@pytest.mark.parametrize("saved, given", [(-1, 8), (8, -1), (8, 16)], ids=["window added", "window dropped",
+                                                                         "another window"])
+def test_resume_refuses_another_window_as_it_refuses_another_shape(saved, given, trained_out_dir, data_dir, tmp_path):
+    """Resumed under another window, the weights went on training under another attention
+    pattern, silently, and the next checkpoint named the new window."""
+    corrupt_checkpoint(trained_out_dir, tmp_path, lambda state: state["model_args"].update(window=saved))
+    result = run_script("train.py", "configs/tiny.py", f"--data_dir={data_dir}", f"--out_dir={tmp_path}",
+                        "--init_from=resume", f"--window={given}")
+    assert result.returncode == 1
+    assert f"holds a model of a different shape or window (window={saved} there, {given} here)" in result.stderr
+    assert len(result.stderr.strip().splitlines()) == 1 and "Traceback" not in result.stderr
+    assert not (tmp_path / "metrics.jsonl").exists()
+
+
 def test_resume_refuses_data_of_another_token_mapping_naming_the_token(trained_out_dir, data_dir, tmp_path):
     shutil.copytree(data_dir, tmp_path / "data")
     meta = json.loads((tmp_path / "data" / "meta.json").read_text())

@@ -482,4 +482,19 @@ def test_a_resumed_run_whose_steps_are_slow_says_how_far_it_has_got(tiny_args, t
     assert resumed.returncode == 0, resumed.stderr
     lines = resumed.stdout.splitlines()
     assert lines[0].startswith(f"resuming from {tmp_path / 'out' / 'ckpt.pt'} at iter 2")
-    assert re.fullmatch(r"iter 3/4: loss \d+\.\d{4}, \d+\.\d s/iter, ETA \d\d:\d\d", lines[3]), lines
+    # Its steps are still the timing warm-up's (iters 3 to 5), and nothing was evaluated yet: no ETA.
+    assert re.fullmatch(r"iter 3/4: loss \d+\.\d{4}, \d+\.\d s/iter, warming up", lines[3]), lines
+
+
+def test_the_eta_leaves_out_the_warm_up_of_the_first_evaluation_and_steps(tiny_args, tmp_path):
+    """A first evaluation batch and a first step 10 s slower, as compiling and tuning make them
+    on a GPU: extrapolated, they made an ETA of minutes (hours on a GPU) of a run of seconds.
+    The ETA waits for a batch past the first, then extrapolates from those."""
+    result = run_script("train.py", *tiny_args, "--max_iters=20", "--eval_interval=10", "--log_interval=1",
+                        env=shim_env("slow_warm_up", SLOW_WARM_UP_SECONDS="10"))
+    assert result.returncode == 0, result.stderr
+    assert re.search(r"^evaluating at iter 0: train batch 1/2, warming up$", result.stdout, re.MULTILINE), result.stdout
+    etas = re.findall(r"ETA (\d+):(\d\d)$|ETA (\d+):(\d\d) \(warm-up\)$", result.stdout, re.MULTILINE)
+    assert len(etas) >= 20  # every step's line
+    seconds = [60 * int(m or m2) + int(s or s2) for m, s, m2, s2 in etas]
+    assert max(seconds) < 40, result.stdout

@@ -1,6 +1,6 @@
 """Every tile config the code can pick on the 12 GB target card (RTX 4070 Super, sm_89) fits
-its 99 KB of shared memory, and every kernel compiles for sm_89 and for Hopper (sm_90, TMA),
-the Hopper-only Gluon kernels (attention/hopper/) included.
+its 99 KB of shared memory, and every one it can pick on Hopper (sm_90, TMA) fits that card's
+227 KB; every kernel compiles for both, the Hopper-only Gluon kernels (attention/hopper/) included.
 
 Triton compiles for a GPU target without a GPU; the compiler reports the shared memory each
 kernel allocates. The prune in attention/launch.py keeps a config when its estimate fits; this
@@ -52,31 +52,36 @@ def compile_for(kernel, element_type, constexprs, capability, num_warps, num_sta
     return triton.compile(source, target=target, options=dict(num_warps=num_warps, num_stages=num_stages))
 
 
+# The cards each config must fit where the prune keeps it: (capability, shared memory per block,
+# the wgmma flag the prune passes). The consumer-card path compiles as sm_89 does (mma.sync).
+CARDS = {"sm_89": (89, ADA_SHARED_MEMORY_BYTES, False), "sm_90": (90, HOPPER_SHARED_MEMORY_BYTES, True)}
+
+
 def measure():
-    """Compile every config for sm_90; for each cp.async config, also compile for sm_89 at the
-    largest head dim the estimate admits per element size, and report the compiler's shared
-    memory. Then the Gluon kernels for sm_90, with their shared memory."""
+    """For each card, kernel, config and element size: compile the config at the largest head
+    dim the estimate admits on that card (TMA configs on sm_90 alone) and report the compiler's
+    shared memory. Then the Gluon kernels for sm_90, with their shared memory."""
     from attention.launch import shared_memory_bytes
     from attention.triton_backward import BACKWARD_CONFIGS, _attn_bwd, backward_smem_rows
     from attention.triton_forward import FORWARD_CONFIGS, _attn_fwd, forward_smem_rows
 
     results = []
-    for kernel, configs, smem_rows in ((_attn_fwd.fn, FORWARD_CONFIGS, forward_smem_rows),
-                                       (_attn_bwd.fn, BACKWARD_CONFIGS, backward_smem_rows)):
-        for config in configs:
-            compile_for(kernel, "bf16", dict(config.kwargs, HEAD_DIM=128, BLOCK_D=128, HEADS_FIRST=True), 90,
-                        config.num_warps, config.num_stages)
-            if config.kwargs["USE_TMA"]:  # pruned on cards without TMA
-                continue
-            for element_type, size in ELEMENT_TYPES.items():
-                admitted = [d for d in HEAD_DIMS
-                            if shared_memory_bytes(config, smem_rows, d, size) <= ADA_SHARED_MEMORY_BYTES]
-                if not admitted:
+    for card, (capability, limit, wgmma) in CARDS.items():
+        for kernel, configs, smem_rows in ((_attn_fwd.fn, FORWARD_CONFIGS, forward_smem_rows),
+                                           (_attn_bwd.fn, BACKWARD_CONFIGS, backward_smem_rows)):
+            for config in configs:
+                if config.kwargs["USE_TMA"] and capability < 90:  # pruned on cards without TMA
                     continue
-                constexprs = dict(config.kwargs, HEAD_DIM=max(admitted), BLOCK_D=max(admitted), HEADS_FIRST=True)
-                compiled = compile_for(kernel, element_type, constexprs, 89, config.num_warps, config.num_stages)
-                results.append(dict(kernel=kernel.__name__, config=str(config), element_type=element_type,
-                                    head_dim=max(admitted), shared=compiled.metadata.shared))
+                for element_type, size in ELEMENT_TYPES.items():
+                    admitted = [d for d in HEAD_DIMS if shared_memory_bytes(config, smem_rows, d, size, wgmma) <= limit]
+                    if not admitted:
+                        continue
+                    constexprs = dict(config.kwargs, HEAD_DIM=max(admitted), BLOCK_D=max(admitted), HEADS_FIRST=True)
+                    compiled = compile_for(kernel, element_type, constexprs, capability, config.num_warps,
+                                           config.num_stages)
+                    results.append(dict(card=card, kernel=kernel.__name__, config=str(config),
+                                        element_type=element_type, head_dim=max(admitted),
+                                        shared=compiled.metadata.shared))
     hopper = {}
     for module, kernel in ((hopper_forward, hopper_forward._attn_fwd_warp_specialized),
                            (hopper_backward, hopper_backward._attn_bwd_warp_specialized)):
@@ -86,7 +91,7 @@ def measure():
                                                         HEAD_DIM=head_dim), 90, 4, 1, gluon=True)
             hopper[kernel.__name__].append(dict(head_dim=head_dim, is_causal=is_causal,
                                                 shared=compiled.metadata.shared))
-    return dict(ada=results, hopper_gluon=hopper)
+    return dict(configs=results, hopper_gluon=hopper)
 
 
 @pytest.fixture(scope="module")
@@ -98,10 +103,15 @@ def compiled():
     return json.loads(out.stdout.strip().splitlines()[-1])
 
 
-def test_every_ada_config_fits_shared_memory(compiled):
-    assert compiled["ada"], "no config was compiled"
-    too_big = [r for r in compiled["ada"] if r["shared"] > ADA_SHARED_MEMORY_BYTES]
-    assert not too_big, f"configs over sm_89's {ADA_SHARED_MEMORY_BYTES} bytes: {too_big}"
+@pytest.mark.parametrize("card", CARDS)
+def test_every_config_the_prune_keeps_fits_the_cards_shared_memory(compiled, card):
+    """At every head dim and element size the estimate admits a config for, on the 4070 Super
+    (99 KB) and on Hopper (227 KB, where wgmma keeps one more pipeline stage in shared memory)."""
+    _, limit, _ = CARDS[card]
+    results = [r for r in compiled["configs"] if r["card"] == card]
+    assert {r["head_dim"] for r in results} >= {64, 128, 256}, "too few configs were compiled"
+    too_big = [r for r in results if r["shared"] > limit]
+    assert not too_big, f"configs over {card}'s {limit} bytes: {too_big}"
 
 
 def test_every_kernel_has_an_ada_config_for_every_head_dim(compiled):
@@ -109,8 +119,8 @@ def test_every_kernel_has_an_ada_config_for_every_head_dim(compiled):
     element size, so the prune never has to fall back to a config the card cannot hold."""
     for kernel in ("_attn_fwd", "_attn_bwd"):
         for element_type in ELEMENT_TYPES:
-            dims = {r["head_dim"] for r in compiled["ada"]
-                    if r["kernel"] == kernel and r["element_type"] == element_type}
+            dims = {r["head_dim"] for r in compiled["configs"]
+                    if r["card"] == "sm_89" and r["kernel"] == kernel and r["element_type"] == element_type}
             assert dims and max(dims) == 256, f"{kernel} {element_type}: no config admitted at head dim 256"
 
 

@@ -280,7 +280,7 @@ def check_config(config, world_size=1):
          f"a positive multiple of n_head={config.n_head}"),
         ("n_kv_head", config.n_kv_head == 0 or (config.n_kv_head >= 1 and config.n_head % config.n_kv_head == 0),
          f"0 (as many as n_head) or a divisor of n_head={config.n_head}"),
-        ("window", config.window >= -1, "-1 (every key before the query) or an int >= 0"),
+        ("window", -1 <= config.window < 2 ** 63, "-1 (every key before the query) or an int >= 0 below 2**63"),
         *[(key, 0.0 <= getattr(config, key) < 1.0, "in [0, 1)") for key in ("dropout", "beta1", "beta2")],
         ("learning_rate", 0.0 < config.learning_rate < math.inf, "a finite float > 0"),
         *[(key, 0.0 <= getattr(config, key) < math.inf, "a finite float >= 0")
@@ -416,7 +416,7 @@ def check_sample_config(config):
         ("dtype", not (config.dtype == "float16" and config.device == "cpu"), "float32 or bfloat16 on the CPU"),
         ("n_kv_head", config.n_kv_head == 0 or (config.n_kv_head >= 1 and TrainConfig.n_head % config.n_kv_head == 0),
          f"0 or a divisor of the default run's {TrainConfig.n_head} heads"),
-        ("window", config.window >= -1, "-1 (every key before the query) or an int >= 0"),
+        ("window", -1 <= config.window < 2 ** 63, "-1 (every key before the query) or an int >= 0 below 2**63"),
         ("n_kv_head", config.init_from == "random" or config.n_kv_head == 0,
          "0 with a checkpoint, whose model has its own (it shapes a random-init model)"),
         ("window", config.init_from == "random" or config.window == -1,

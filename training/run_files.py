@@ -178,14 +178,15 @@ CHECKS = {
 
 
 def check_fits(ckpt, path, model_args, gpt2_ids, data_dir):
-    """Refuse to resume into a model of another shape (dropout and attn may change), or on data
-    whose token ids mean other GPT-2 tokens."""
-    shape_keys = ("n_layer", "n_head", "n_kv_head", "n_embd", "block_size", "bias", "vocab_size")
+    """Refuse to resume into a model of another shape or window (dropout and attn may change), or
+    on data whose token ids mean other GPT-2 tokens. The window shapes no weight, but weights
+    trained under one attention pattern would go on under another, and the next checkpoint name it."""
+    model_keys = ("n_layer", "n_head", "n_kv_head", "n_embd", "block_size", "bias", "vocab_size", "window")
     saved = dataclasses.asdict(GPTConfig(**ckpt["model_args"]))  # fields it lacks take their defaults
     differences = [f"{key}={saved[key]!r} there, {getattr(model_args, key)!r} here"
-                   for key in shape_keys if saved[key] != getattr(model_args, key)]
+                   for key in model_keys if saved[key] != getattr(model_args, key)]
     if differences:
-        raise RunFileError(f"{path} holds a model of a different shape ({'; '.join(differences)}). "
+        raise RunFileError(f"{path} holds a model of a different shape or window ({'; '.join(differences)}). "
                            "Resume with the config it was trained with, or train from scratch in another out_dir")
     saved_ids = ckpt["gpt2_ids"]
     if saved_ids != gpt2_ids:
@@ -284,7 +285,11 @@ class RunLog:
     def __init__(self, config, micro_steps):
         self.config, self.micro_steps = config, micro_steps
         self.wandb_run = None
-        self.step_s = self.eval_s = self.batch_s = None  # measured as they run
+        # Timed past their warm-up (compiling, tuning, the allocator's caches), which would make
+        # an ETA of hours of a run of minutes: step_s, a step's mean after train.py's timing
+        # warm-up; batch_s, an evaluation batch's mean over every batch but this process's first.
+        self.step_s = self.batch_s = None
+        self.eval_batches = 0
         self.last_line = time.perf_counter()
 
     def line(self, text):
@@ -301,17 +306,33 @@ class RunLog:
     def due(self):
         return time.perf_counter() - self.last_line > PROGRESS_SECONDS
 
-    def eta(self, it, eval_pending, eval_left=None):
-        """The time left after iteration it, h:mm:ss: the steps to go, the evaluations due, and
-        eval_left seconds of the one running. Before a step or an evaluation is timed, an
-        evaluation batch stands in (a micro-batch's forward and backward cost about three)."""
-        config = self.config
+    def time_eval_batch(self, seconds):
+        self.eval_batches += 1
+        if self.eval_batches > 1:  # the first compiles and tunes
+            self.batch_s = seconds if self.batch_s is None else self.batch_s + (seconds - self.batch_s) / (
+                self.eval_batches - 1)
+
+    def estimates(self):
+        """(step_s, batch_s), or (None, None) before either is timed. Until one is, the other
+        stands in for it: a micro-batch's forward and backward cost about three evaluation batches."""
+        if self.step_s is None and self.batch_s is None:
+            return None, None
         step_s = self.step_s or 3 * self.micro_steps * self.batch_s
-        eval_s = self.eval_s or 2 * config.eval_iters * (self.batch_s or step_s / (3 * self.micro_steps))
+        return step_s, self.batch_s or step_s / (3 * self.micro_steps)
+
+    def eta(self, it, eval_pending, eval_batches_left=None):
+        """'ETA h:mm:ss', the time left after iteration it: the steps to go, the evaluations due,
+        and eval_batches_left batches of the one running; 'warming up' before anything is timed
+        past its warm-up."""
+        step_s, batch_s = self.estimates()
+        if step_s is None:
+            return "warming up"
+        config = self.config
         evaluations = config.max_iters // config.eval_interval + (config.max_iters % config.eval_interval > 0)
         evaluations = evaluations - it // config.eval_interval if it < config.max_iters else 0  # after iteration it
-        evaluations += eval_pending if eval_left is None else 0  # iteration it's, not started yet
-        return tqdm.format_interval((eval_left or 0) + (config.max_iters - it) * step_s + evaluations * eval_s)
+        evaluations += eval_pending if eval_batches_left is None else 0  # iteration it's, not started yet
+        batches = (eval_batches_left or 0) + evaluations * 2 * config.eval_iters
+        return "ETA " + tqdm.format_interval((config.max_iters - it) * step_s + batches * batch_s)
 
 
 def read_run_config(out_dir):
