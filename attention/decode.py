@@ -85,13 +85,20 @@ def eager_decode_attention(q, k_cache, v_cache, visible):
 
 
 def tiled_decode_attention(q, k_cache, v_cache, visible, n_splits, tile_size):
-    """Flash-Decoding in PyTorch, triton_decode.py's twin: the cache's rows cut into n_splits
-    splits of split_rows(S, n_splits, tile_size) rows; each split runs tiled.py's online softmax
-    over its key tiles with the G query heads of a kv head as the rows of q_tile, and ends with
-    a partial output o_split and its log-sum-exp lse_split; merge_splits combines them. S is
-    static, so every tile of every split is visited, masked outside visible (the kernel skips
-    the tiles without a visible key), and a split that sees no key ends with l_i = 0: o_split = 0,
-    lse_split = -inf. The token's key is in the cache here (stored before), at row pos."""
+    """Flash-Decoding in PyTorch, triton_decode.py's twin: the splits' partial outputs
+    (tiled_decode_splits), then merge_splits."""
+    o = merge_splits(*tiled_decode_splits(q, k_cache, v_cache, visible, n_splits, tile_size))  # (B, H_kv, G, D)
+    return o.reshape(q.shape).to(q.dtype)
+
+
+def tiled_decode_splits(q, k_cache, v_cache, visible, n_splits, tile_size):
+    """o_split (B, H_kv, G, n_splits, D) and lse_split (B, H_kv, G, n_splits): the cache's rows
+    cut into n_splits splits of split_rows(S, n_splits, tile_size) rows, each split running
+    tiled.py's online softmax over its key tiles, with the G query heads of a kv head as the
+    rows of q_tile, to a partial output and its log-sum-exp. S is static, so every tile of every
+    split is visited, masked outside visible (the kernel skips the tiles without a visible key),
+    and a split that sees no key ends with l_i = 0: o_split = 0, lse_split = -inf. The token's
+    key is in the cache here (stored before), at row pos."""
     compute = torch.float64 if q.dtype == torch.float64 else torch.float32
     B, H_kv, S, D = k_cache.shape
     q_tile = q.to(compute).reshape(B, H_kv, -1, D)  # (B, H_kv, G, D): a kv head's query heads are the rows
@@ -111,8 +118,7 @@ def tiled_decode_attention(q, k_cache, v_cache, visible, n_splits, tile_size):
         l_safe = l_i.masked_fill(l_i == 0, 1.0)
         o_split.append(acc / l_safe[..., None])
         lse_split.append((m_i + torch.log(l_safe)).masked_fill(l_i == 0, float("-inf")))
-    o = merge_splits(torch.stack(o_split, dim=-2), torch.stack(lse_split, dim=-1))  # (B, H_kv, G, D)
-    return o.reshape(q.shape).to(q.dtype)
+    return torch.stack(o_split, dim=-2), torch.stack(lse_split, dim=-1)
 
 
 def merge_splits(o_split, lse_split):

@@ -1,6 +1,8 @@
 """decode_attention: one new token per sequence, stored into a static KV cache and attending over
 the cached keys its window sees, every backend against a float64 reference, with grouped-query
-heads, windows, odd cache lengths and any head dim; the inputs it refuses (a cache of no rows,
+heads, windows, odd cache lengths and any head dim; split-KV and its twin at every split count
+(splits past pos, before the window and past the cache's end; the partial outputs and
+log-sum-exps split for split alike), and the split count the host picks; the inputs it refuses (a cache of no rows,
 gradients the triton kernel cannot give, a pos of another dtype or outside the cache) and the
 cache rows that never change its result (stale NaN outside the window); sample_next_token, the
 one sampling function of every decoding path; a compiled decode step that draws exactly the
@@ -10,7 +12,7 @@ the whole context)."""
 import pytest
 import torch
 
-from attention import BACKENDS, decode_attention
+from attention import BACKENDS, decode_attention, triton_decode
 from model import GPT, GPTConfig, sample_next_token
 from test_kv_cache import GQA_WINDOW, context_sensitive_gpt, prompt
 from torch._dynamo.testing import CompileCounter  # imports triton: after attention, which picks the interpreter
@@ -251,6 +253,160 @@ def test_the_triton_decode_operator_passes_opcheck(left):
     q, k, v, k_cache, v_cache = decode_inputs(2, 4, 2, 19, 16)
     torch.library.opcheck(torch.ops.nanofa2.decode_attention.default,
                           (q, k, v, k_cache, v_cache, torch.tensor([7]), window_bounds(False, (left, 0))[0]))
+
+
+# Split-KV (triton_decode.py) and its twin (decode.tiled_decode_splits) at split counts and tiles
+# the tests choose: 16-key tiles, so that short caches have several tiles a split and splits
+# past pos, before the window and past the cache's end (7 splits of 3 tiles).
+# (B, H, H_kv, S, D, pos, left): groups G = 1, 2, 3, 4, 6, 8 (3 and 6 pad to 16 rows unevenly);
+# odd caches; pos at 0 (only the first split sees a key), mid and S - 1; windows that start
+# inside a split, cross a split's edge or hold the token alone; head dims 40, 64, 96, 128.
+SPLIT_SHAPES = [
+    (2, 4, 4, 37, 64, 0, -1),
+    (1, 6, 3, 61, 40, 30, -1),
+    (2, 3, 1, 61, 96, 60, -1),
+    (1, 8, 2, 45, 128, 22, 9),
+    (1, 6, 1, 53, 40, 52, 20),
+    (2, 8, 1, 37, 64, 17, 0),
+]
+SPLIT_TILE = 16
+
+
+class Launches:
+    """Stands in for a @triton.jit kernel: records each launch's grid and arguments, then runs it."""
+
+    def __init__(self, kernel):
+        self.kernel, self.calls = kernel, []
+
+    def __getitem__(self, grid):
+        def launch(*args, **kwargs):
+            self.calls.append((grid, args))
+            return self.kernel[grid](*args, **kwargs)
+        return launch
+
+
+def cache_views(k_cache, v_cache):
+    """The caches as (B, H_kv, S, D) views of (B, S, H_kv, D) buffers: strided along S and H_kv."""
+    return [c.transpose(1, 2).contiguous().transpose(1, 2) for c in (k_cache, v_cache)]
+
+
+def split_decode(backend, q, k, v, k_cache, v_cache, pos, left, n_splits):
+    """triton_decode.split_kv_decode, or the twin after storing the token as decode_attention does."""
+    from attention.decode import cached_keys, store_in_cache, tiled_decode_attention
+    from attention.eager import window_bounds
+    left = window_bounds(False, (left, 0))[0]
+    pos = torch.tensor([pos])
+    if backend == "triton":
+        return triton_decode.split_kv_decode(q, k, v, k_cache, v_cache, pos, left, n_splits, SPLIT_TILE)
+    store_in_cache(k, v, k_cache, v_cache, pos)
+    return tiled_decode_attention(q, k_cache, v_cache, cached_keys(pos, left, k_cache.shape[2]), n_splits,
+                                  SPLIT_TILE)
+
+
+@pytest.mark.parametrize("backend", ["triton", "tiled"])
+@pytest.mark.parametrize("dtype", [torch.float32, torch.float16])
+@pytest.mark.parametrize("n_splits", [1, 2, 3, 7])
+@pytest.mark.parametrize("B, H, H_kv, S, D, pos, left", SPLIT_SHAPES)
+def test_split_kv_decode_matches_float64_at_every_split_count(backend, dtype, n_splits, B, H, H_kv, S, D, pos, left):
+    q, k, v, k_cache, v_cache = decode_inputs(B, H, H_kv, S, D, dtype)
+    if n_splits == 3:  # caches read and written through strides, as well as dense ones
+        k_cache, v_cache = cache_views(k_cache, v_cache)
+    o_expected, k_expected, v_expected = expected(q, k, v, k_cache, v_cache, pos, left)
+    o = split_decode(backend, q, k, v, k_cache, v_cache, pos, left, n_splits)
+    assert o.shape == (B, H, 1, D) and o.dtype == dtype
+    torch.testing.assert_close(o.double(), o_expected, atol=TOLERANCE[dtype], rtol=TOLERANCE[dtype])
+    assert torch.equal(k_cache.double(), k_expected) and torch.equal(v_cache.double(), v_expected)
+
+
+@pytest.mark.parametrize("B, H, H_kv, S, D, pos, left", SPLIT_SHAPES)
+def test_the_kernels_splits_are_the_twins_split_for_split(monkeypatch, B, H, H_kv, S, D, pos, left):
+    # The merge's inputs, the partial outputs and log-sum-exps, are the twin's: the same split
+    # bounds, and a split that sees no key gives lse = -inf and a zero output in both.
+    from attention.decode import cached_keys, store_in_cache, tiled_decode_splits
+    from attention.eager import window_bounds
+    merges = Launches(triton_decode._merge_splits)
+    monkeypatch.setattr(triton_decode, "_merge_splits", merges)
+    q, k, v, k_cache, v_cache = decode_inputs(B, H, H_kv, S, D)
+    split_decode("triton", q, k, v, k_cache.clone(), v_cache.clone(), pos, left, 7)
+    (grid, (o_split, lse_split, *_)), = merges.calls
+    assert grid == (B * H,)
+    store_in_cache(k, v, k_cache, v_cache, torch.tensor([pos]))
+    visible = cached_keys(torch.tensor([pos]), window_bounds(False, (left, 0))[0], S)
+    o_twin, lse_twin = tiled_decode_splits(q, k_cache, v_cache, visible, 7, SPLIT_TILE)
+    torch.testing.assert_close(lse_split, lse_twin.flatten(1, 2), atol=1e-5, rtol=1e-5)
+    torch.testing.assert_close(o_split, o_twin.flatten(1, 2), atol=1e-5, rtol=1e-5)
+    empty = lse_split == float("-inf")
+    assert empty[..., -1].all() and not empty[..., pos // SPLIT_TILE].any()  # past the cache; the token's split
+    assert (o_split[empty] == 0).all()
+
+
+@pytest.mark.parametrize("backend", ["triton", "tiled"])
+@pytest.mark.parametrize("left", [-1, 3])
+def test_cache_rows_outside_the_window_never_reach_any_split(backend, left):
+    # As test_cache_rows_outside_the_window_never_change_the_result, with splits: NaN and inf in
+    # the rows after pos (whole splits of them) and before the window.
+    pos = 40
+    q, k, v, k_cache, v_cache = decode_inputs(2, 6, 2, 70, 40, torch.float16)
+    first = 0 if left < 0 else pos - left
+    for cache in (k_cache, v_cache):
+        cache[:, :, pos + 1::2] = float("nan")
+        cache[:, :, pos + 2::2] = float("inf")
+        cache[:, :, :first:2] = float("nan")
+        cache[:, :, 1:first:2] = float("-inf")
+    o_expected, k_expected, v_expected = expected(q, k, v, k_cache, v_cache, pos, left)
+    o = split_decode(backend, q, k, v, k_cache, v_cache, pos, left, 4)
+    assert o.isfinite().all()
+    torch.testing.assert_close(o.double(), o_expected, atol=2e-3, rtol=2e-3)
+    torch.testing.assert_close(k_cache.double(), k_expected, atol=0, rtol=0, equal_nan=True)
+    torch.testing.assert_close(v_cache.double(), v_expected, atol=0, rtol=0, equal_nan=True)
+
+
+@pytest.mark.parametrize("S, splits", [(1100, 5), (37, 1)])
+def test_the_split_count_the_host_picks_is_what_the_kernel_runs(monkeypatch, S, splits):
+    # On the CPU the plan assumes the 4070 Super's 56 SMs: 2 (batch, kv head) pairs of a
+    # 1,100-row cache in 256-row tiles (D=16, float32) take 5 splits, one a tile; a 37-row
+    # cache takes one, and no merge.
+    launches = {name: Launches(getattr(triton_decode, name)) for name in ("_decode_split", "_merge_splits")}
+    for name, recorder in launches.items():
+        monkeypatch.setattr(triton_decode, name, recorder)
+    q, k, v, k_cache, v_cache = decode_inputs(1, 4, 2, S, 16)
+    assert triton_decode.split_plan(k_cache) == (splits, 256)
+    o_expected, _, _ = expected(q, k, v, k_cache, v_cache, S - 3, -1)
+    o = decode_attention(q, k, v, k_cache, v_cache, torch.tensor([S - 3]))
+    torch.testing.assert_close(o.double(), o_expected, atol=1e-5, rtol=1e-5)
+    assert [grid for grid, _ in launches["_decode_split"].calls] == [(2, splits)]
+    assert [grid for grid, _ in launches["_merge_splits"].calls] == ([(4,)] if splits > 1 else [])
+
+
+@pytest.mark.parametrize("programs, n_tiles, splits", [
+    (8 * 16, 32, 2),    # batch 8 x 16 kv heads, 4,096 rows at D=64: 256 programs, about 2 an SM
+    (8 * 4, 64, 7),     # 4 kv heads at D=128 (64-row tiles): 7 splits, 224 programs
+    (1 * 4, 512, 57),   # batch 1, 32,768 rows: 55 and 56 give 10 tiles a split as 54 does
+    (212, 64, 1),       # 212 programs fill 80% of 264 slots already
+    (4, 4, 1),          # 4 tiles: a merge would cost more than it saves
+    (2 * 12, 2, 1),     # sample.py's default model at batch 2, 512 rows at D=32
+])
+def test_the_split_count_follows_flash_attention_2s_heuristic_on_an_h100(programs, n_tiles, splits):
+    assert triton_decode.decode_splits(programs, n_tiles, n_sms=132) == splits
+
+
+def test_no_split_lies_past_the_end_of_the_cache():
+    for programs in range(1, 300, 7):
+        for n_tiles in range(1, 700, 3):
+            n_splits = triton_decode.decode_splits(programs, n_tiles, n_sms=132)
+            tiles_per_split = triton_decode.split_rows(n_tiles, n_splits, 1)
+            assert 1 <= n_splits <= triton_decode.MAX_SPLITS and (n_splits - 1) * tiles_per_split < n_tiles
+
+
+def test_the_triton_decode_in_bfloat16_on_the_cpu_matches_float64():
+    # The interpreter's tl.dot is wrong on bf16: the kernel runs in float32 there, and the token
+    # still lands in the bf16 caches.
+    q, k, v, k_cache, v_cache = decode_inputs(2, 6, 2, 45, 40, torch.bfloat16)
+    o_expected, k_expected, v_expected = expected(q, k, v, k_cache, v_cache, 30, -1)
+    o = triton_decode.split_kv_decode(q, k, v, k_cache, v_cache, torch.tensor([30]), 2 ** 30, 3, SPLIT_TILE)
+    assert o.dtype == torch.bfloat16
+    torch.testing.assert_close(o.double(), o_expected, atol=2e-2, rtol=2e-2)
+    assert torch.equal(k_cache.double(), k_expected) and torch.equal(v_cache.double(), v_expected)
 
 
 @pytest.mark.parametrize("attn, heads", [("eager", "multi-head"), ("triton", "multi-head"), ("sdpa", "multi-head"),
