@@ -2,13 +2,18 @@
 the cached keys its window sees, every backend against a float64 reference, with grouped-query
 heads, windows, odd cache lengths and any head dim; split-KV and its twin at every split count
 (splits past pos, before the window and past the cache's end; the partial outputs and
-log-sum-exps split for split alike), and the split count the host picks; the inputs it refuses (a cache of no rows,
-gradients the triton kernel cannot give, a pos of another dtype or outside the cache) and the
-cache rows that never change its result (stale NaN outside the window); sample_next_token, the
-one sampling function of every decoding path; a compiled decode step that draws exactly the
-tokens of the uncompiled one, and writes the cache in place; generation with the weights cast
-to bf16 once (no cast per token, the same tokens compiled or not, the cached logits those of
-the whole context)."""
+log-sum-exps alike split for split), the split count the host picks, and the kernels' shared
+memory on the target card; the inputs it refuses (a cache of no rows, gradients the triton
+kernel cannot give, a pos of another dtype or outside the cache) and the cache rows that never
+change its result (stale NaN outside the window); sample_next_token, the one sampling function
+of every decoding path; a compiled decode step that draws exactly the tokens of the uncompiled
+one, and writes the cache in place; generation with the weights cast to bf16 once (no cast per
+token, the same tokens compiled or not, the cached logits those of the whole context)."""
+import json
+import os
+import subprocess
+import sys
+
 import pytest
 import torch
 
@@ -407,6 +412,46 @@ def test_the_triton_decode_in_bfloat16_on_the_cpu_matches_float64():
     assert o.dtype == torch.bfloat16
     torch.testing.assert_close(o.double(), o_expected, atol=2e-2, rtol=2e-2)
     assert torch.equal(k_cache.double(), k_expected) and torch.equal(v_cache.double(), v_expected)
+
+def decode_kernel_shared_memory():
+    """[(element type, head dim, bytes)]: _decode_split compiled for sm_89 with its fixed config,
+    as tests/test_triton_configs.py compiles the other kernels (pointers and integer arguments
+    divisible by 16, as Triton infers at launch for the model's tensors)."""
+    import triton
+    from triton.backends.compiler import GPUTarget
+    from triton.compiler import ASTSource
+    from attention.launch import head_dim_block
+    kernel = triton_decode._decode_split
+    results = []
+    for element_type, size in (("bf16", 2), ("fp32", 4)):
+        for head_dim in (16, 64, 128, 256):
+            constexprs = dict(HEAD_DIM=head_dim, BLOCK_D=head_dim_block(head_dim), BLOCK_G=16,
+                              BLOCK_N=triton_decode.decode_block_n(head_dim, size))
+            types = dict(dict.fromkeys(("Q", "K", "V", "K_CACHE", "V_CACHE", "O_SPLIT"), "*" + element_type),
+                         LSE_SPLIT="*fp32", POS="*i64", qk_scale="fp32", **dict.fromkeys(constexprs, "constexpr"))
+            signature = {name: types.get(name, "i32") for name in kernel.arg_names}
+            attrs = {(i,): [["tt.divisibility", 16]] for i, name in enumerate(kernel.arg_names)
+                     if signature[name] in ("i32", "*" + element_type)}
+            compiled = triton.compile(ASTSource(kernel, signature, constexprs=constexprs, attrs=attrs),
+                                      target=GPUTarget("cuda", 89, 32),
+                                      options=dict(num_warps=triton_decode.DECODE_NUM_WARPS,
+                                                   num_stages=triton_decode.DECODE_NUM_STAGES))
+            results.append((element_type, head_dim, compiled.metadata.shared))
+    return results
+
+
+def test_the_decode_kernels_fixed_config_fits_the_target_cards_shared_memory():
+    # Compiled for the RTX 4070 Super (sm_89) in a process without the interpreter: K and V
+    # tiles in flight (cp.async) at every head dim and element size, under its 99 KB a block.
+    from attention.launch import ADA_SHARED_MEMORY_BYTES
+    from conftest import REPO
+    env = dict(os.environ, TRITON_INTERPRET="0", TRITON_DEFAULT_FP_FUSION="1", PYTHONPATH=f"{REPO}:{REPO / 'tests'}")
+    out = subprocess.run([sys.executable, "-c", "import json, test_decode; "
+                          "print(json.dumps(test_decode.decode_kernel_shared_memory()))"],
+                         env=env, cwd=REPO, capture_output=True, text=True, timeout=600)
+    assert out.returncode == 0, out.stderr[-3000:]
+    results = json.loads(out.stdout.strip().splitlines()[-1])
+    assert len(results) == 8 and all(32 * 1024 <= shared <= ADA_SHARED_MEMORY_BYTES for _, _, shared in results), results
 
 
 @pytest.mark.parametrize("attn, heads", [("eager", "multi-head"), ("triton", "multi-head"), ("sdpa", "multi-head"),
