@@ -748,3 +748,42 @@ def test_a_cuda_graph_decode_with_bf16_weights_draws_the_tokens_of_the_uncapture
         for _ in range(2):
             assert torch.equal(gpt.generate(tokens, max_new_tokens=11, top_k=1), expected_tokens)
             assert gpt.generate_decoder.graph is not None and gpt.generate_decoder.cache.dtype == torch.bfloat16
+
+
+@pytest.fixture(scope="module")
+def bench():
+    from unittest import mock
+    with mock.patch.object(sys, "argv", ["bench.py", "--mode=decode"]):
+        import bench
+    return bench
+
+
+def test_bench_decode_times_what_its_labels_say(bench, monkeypatch):
+    # triton: the split-KV kernel with the host's split count (5 splits on the CPU, see
+    # test_the_split_count_the_host_picks_is_what_the_kernel_runs) and no sdpa; sdpa: the sdpa
+    # backend, masked; sdpa, no mask: sdpa over the whole cache. Each stores the token and is exact.
+    splits = Launches(triton_decode._decode_split)
+    monkeypatch.setattr(triton_decode, "_decode_split", splits)
+    masks = []
+    sdpa = torch.nn.functional.scaled_dot_product_attention
+    monkeypatch.setattr(torch.nn.functional, "scaled_dot_product_attention",
+                        lambda *args, **kwargs: masks.append(kwargs.get("attn_mask")) or sdpa(*args, **kwargs))
+    ran = {}
+    for label in ("triton", "sdpa", "sdpa, no mask"):
+        q, k, v, k_cache, v_cache = decode_inputs(1, 4, 2, 1100, 16)
+        o_expected, k_expected, _ = expected(q, k, v, k_cache, v_cache, 1099)
+        steps = bench.decode_steps(q, k, v, k_cache, v_cache, torch.tensor([1099]))
+        assert list(steps) == ["triton", "sdpa", "sdpa, no mask"]
+        splits.calls.clear()
+        masks.clear()
+        o = steps[label]()
+        torch.testing.assert_close(o.double(), o_expected, atol=1e-5, rtol=1e-5)
+        assert torch.equal(k_cache.double(), k_expected)
+        ran[label] = ([grid for grid, _ in splits.calls], [mask is not None for mask in masks])
+    assert ran == {"triton": ([(2, 5)], []), "sdpa": ([], [True]), "sdpa, no mask": ([], [False])}
+
+
+@pytest.mark.parametrize("card, bandwidth", [("NVIDIA H100 80GB HBM3", 3.35e12), ("NVIDIA H200", 4.8e12),
+                                             ("NVIDIA GeForce RTX 4070 SUPER", 504e9), ("NVIDIA H100 PCIe", None)])
+def test_bench_decode_knows_the_bandwidth_of_the_repos_cards_by_name(bench, card, bandwidth):
+    assert bench.card_bandwidth(card) == bandwidth
