@@ -19,8 +19,9 @@ step mode times whole optimizer steps backend after backend in turns, as the hos
 minutes: GPU time judges the kernels, wall time the host. At each block size the batch keeps
 the default run's tokens per micro-batch; a backend out of memory is not run at longer ones.
 The decode mode times decode_attention alone, one new token against a full cache (triton, sdpa,
-and sdpa over the whole cache with no mask, exact there), and divides the K and V bytes read by
-the time and by the card's memory bandwidth. Writes JSON and markdown (and a plot of each grid)
+and sdpa over the whole cache with no mask, exact there; triton at other split counts too),
+replayed from a CUDA graph as sample.py runs it, and divides the K and V bytes read by the time
+and by the card's memory bandwidth. Writes JSON and markdown (and a plot of each grid)
 to --out. Whole-model decoding: sample.py --benchmark=True.
 """
 import json
@@ -268,25 +269,51 @@ def decode_steps(q, k, v, k_cache, v_cache, pos):
             "sdpa, no mask": sdpa_no_mask}
 
 
+def split_steps(q, k, v, k_cache, v_cache, pos):
+    """{n_splits: the triton step with that many splits}: one, the host's plan, twice and four
+    times as many (at most MAX_SPLITS, and a tile a split), to see what the plan leaves."""
+    plan, block_n = triton_decode.split_plan(k_cache)
+    most = min(triton_decode.MAX_SPLITS, -(-k_cache.shape[2] // block_n))
+    step = lambda n: lambda: triton_decode.split_kv_decode(q, k, v, k_cache, v_cache, pos, UNBOUNDED, n, block_n)
+    return {n: step(n) for n in sorted({1, plan, min(2 * plan, most), min(4 * plan, most)})}
+
+
+def graphed(step):
+    """step captured in a CUDA graph, as sample.py runs a decoding step: a replay times the GPU's
+    work, not the host's (decode_attention's checks, pos's among them, which reads pos and so
+    waits for the GPU outside a capture). do_bench still clears the L2 before each replay."""
+    step()  # compiles the kernels before the capture
+    graph = torch.cuda.CUDAGraph()
+    with torch.cuda.graph(graph):
+        step()
+    return graph.replay
+
+
 def decode_times():
     """Each of DECODE_SHAPES in bf16, one new token at the cache's last row (every row is read):
-    median µs of each of decode_steps, and K+V bytes read over that as a share of the card's bandwidth."""
+    median µs of each of decode_steps and split_steps, replayed from a CUDA graph, and the K and V
+    bytes read over that as a share of the card's bandwidth."""
     peak = card_bandwidth(torch.cuda.get_device_name())
+    time_us = lambda step: 1000 * triton.testing.do_bench(graphed(step), rep=config.rep_ms, return_mode="median")
     rows = []
     for B, H, H_kv, S, D in DECODE_SHAPES:
         qkv = torch.randn(B, 1, H + 2 * H_kv, D, device="cuda", dtype=torch.bfloat16)
         q, k, v = qkv.transpose(1, 2).split([H, H_kv, H_kv], dim=1)  # views of the fused projection, as in the model
         k_cache, v_cache = (torch.randn(B, H_kv, S, D, device="cuda", dtype=torch.bfloat16) for _ in range(2))
+        inputs = (q, k, v, k_cache, v_cache, torch.tensor([S - 1], device="cuda"))
         row = dict(shape=f"{B} x {H}/{H_kv} x {S:,} x {D}", bytes=2 * k_cache.numel() * k_cache.element_size(),
                    splits=triton_decode.split_plan(k_cache)[0], steps={})
         with torch.no_grad():
-            for label, step in decode_steps(q, k, v, k_cache, v_cache, torch.tensor([S - 1], device="cuda")).items():
-                us = 1000 * triton.testing.do_bench(step, rep=config.rep_ms, return_mode="median")
+            for label, step in decode_steps(*inputs).items():
+                us = time_us(step)
                 row["steps"][label] = dict(us=us, bandwidth=row["bytes"] / (us * 1e-6) / peak if peak else None)
+            row["triton_us_by_splits"] = {n: time_us(step) for n, step in split_steps(*inputs).items()}
         rows.append(row)
-        print(f"{row['shape']:<24} {row['bytes'] / 1e6:6.0f} MB {row['splits']:>3} splits  " + "  ".join(
+        print(f"{row['shape']:<24} {row['bytes'] / 1e6:6.0f} MB  " + "  ".join(
             f"{label} {r['us']:8.1f} us" + (f" ({r['bandwidth']:.0%})" if peak else "")
             for label, r in row["steps"].items()), flush=True)
+        print(f"{'':<24} triton by splits (the plan: {row['splits']}): " + ", ".join(
+            f"{n}: {us:.1f} us" for n, us in row["triton_us_by_splits"].items()), flush=True)
     write("decode", rows, decode_table(rows, peak))
 
 

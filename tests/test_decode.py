@@ -560,9 +560,39 @@ def test_the_decode_step_compiles_once_across_tokens_refills_and_generate_calls(
 @pytest.mark.parametrize("backend", BACKENDS)
 @pytest.mark.parametrize("B, H, H_kv, S, D, pos, left", SHAPES + [
     (32, 8, 2, 256, 64, 199, -1), (1, 8, 8, 256, 128, 255, 100), (4, 8, 1, 300, 96, 299, 63),
-    (2, 4, 2, 257, 160, 256, 0), (2, 8, 2, 513, 256, 512, 257)])
+    (2, 4, 2, 257, 160, 256, 0), (2, 8, 2, 513, 256, 512, 257),
+    # Long caches for few (batch, kv head) pairs: split, some splits without a key for this pos.
+    (1, 16, 4, 4096, 128, 2047, -1), (2, 12, 3, 8191, 64, 8190, 1000), (1, 8, 1, 3001, 256, 10, -1),
+    (1, 6, 2, 2000, 40, 1999, 77)])
 def test_decode_attention_on_the_gpu_in_bfloat16(backend, B, H, H_kv, S, D, pos, left):
     check_decode(backend, torch.bfloat16, B, H, H_kv, S, D, pos, left, "cuda", 2e-2)
+
+
+@pytest.mark.gpu
+@pytest.mark.parametrize("compiled", [False, True])
+def test_a_captured_split_kv_decode_is_right_wherever_pos_moves(compiled):
+    # The split count comes from S alone, so one graph, captured at one position, replays right
+    # at every other: at 0 (one split sees a key), inside the cache (a window of 1,000 keys
+    # leaves splits empty on both sides) and at the last row.
+    B, H, H_kv, S, D, left = 1, 16, 4, 4096, 128, 1000
+    q, k, v, k_cache, v_cache = decode_inputs(B, H, H_kv, S, D, torch.bfloat16, "cuda")
+    assert triton_decode.split_plan(k_cache)[0] > 4
+    pos = torch.tensor([S - 1], device="cuda")
+    step = lambda: decode_attention(q, k, v, k_cache, v_cache, pos, (left, 0))
+    step = torch.compile(step, fullgraph=True) if compiled else step
+    graph = torch.cuda.CUDAGraph()
+    with torch.no_grad():
+        step()  # compiles the kernels (and the graph) before the capture
+        torch.cuda.synchronize()
+        with torch.cuda.graph(graph):
+            o = step()
+    for p in (0, 700, 2049, S - 1):
+        k_before, v_before = k_cache.clone(), v_cache.clone()
+        pos.fill_(p)
+        graph.replay()
+        o_expected, k_expected, v_expected = expected(q, k, v, k_before, v_before, p, left)
+        torch.testing.assert_close(o.double().cpu(), o_expected, atol=2e-2, rtol=2e-2)
+        assert torch.equal(k_cache.double().cpu(), k_expected) and torch.equal(v_cache.double().cpu(), v_expected)
 
 
 def uncaptured_greedy(gpt, tokens, max_new_tokens):
@@ -787,3 +817,18 @@ def test_bench_decode_times_what_its_labels_say(bench, monkeypatch):
                                              ("NVIDIA GeForce RTX 4070 SUPER", 504e9), ("NVIDIA H100 PCIe", None)])
 def test_bench_decode_knows_the_bandwidth_of_the_repos_cards_by_name(bench, card, bandwidth):
     assert bench.card_bandwidth(card) == bandwidth
+
+
+def test_bench_decode_times_triton_at_the_split_counts_it_names(bench, monkeypatch):
+    # 16 (batch, kv head) pairs of a 10-tile cache (64-row tiles at D=64, float32): the plan on
+    # the CPU is 5 splits; twice that is a tile a split, and 4 times is capped there.
+    splits = Launches(triton_decode._decode_split)
+    monkeypatch.setattr(triton_decode, "_decode_split", splits)
+    q, k, v, k_cache, v_cache = decode_inputs(4, 8, 4, 600, 64)
+    o_expected, _, _ = expected(q, k, v, k_cache, v_cache, 599)
+    steps = bench.split_steps(q, k, v, k_cache, v_cache, torch.tensor([599]))
+    assert list(steps) == [1, 5, 10]
+    for n, step in steps.items():
+        splits.calls.clear()
+        torch.testing.assert_close(step().double(), o_expected, atol=1e-5, rtol=1e-5)
+        assert [grid for grid, _ in splits.calls] == [(16, n)]
