@@ -324,7 +324,8 @@ def decode_table(rows, peak):
     lines = [f"Bandwidth: K and V bytes read over the step's time, against {peak / 1e12:.2f} TB/s." if peak else
              "Bandwidth: this card's peak is not in bench.py's PEAK_BANDWIDTH.", "",
              "| batch x heads/kv heads x cache x D | K+V bytes | triton splits | "
-             + " | ".join(f"{label} µs | of bandwidth" for label in labels) + " |", "|---" * (3 + 2 * len(labels)) + "|"]
+             + " | ".join(f"{label} µs | of bandwidth" for label in labels) + " |",
+             "|---" * (3 + 2 * len(labels)) + "|"]
     for row in rows:
         lines.append(f"| {row['shape']} | {row['bytes'] / 1e6:,.0f} MB | {row['splits']} | "
                      + " | ".join(f"{r['us']:,.0f} | {share(r)}" for r in row["steps"].values()) + " |")

@@ -24,8 +24,8 @@ launches no merge.
 
 pos is read from memory: the host never learns it, and the split count comes from static
 shapes alone (the cache's length S, not pos), so the launches are the same at every step and a
-CUDA graph replays them while the cache fills. decode.py's tiled_decode_attention is the twin in
-PyTorch, with the same names and split and tile bounds.
+CUDA graph replays them while the cache fills. decode.py's tiled_decode_splits and merge_splits
+are the twin in PyTorch, with the same names and split and tile bounds.
 """
 import math
 

@@ -451,7 +451,8 @@ def test_the_decode_kernels_fixed_config_fits_the_target_cards_shared_memory():
                          env=env, cwd=REPO, capture_output=True, text=True, timeout=600)
     assert out.returncode == 0, out.stderr[-3000:]
     results = json.loads(out.stdout.strip().splitlines()[-1])
-    assert len(results) == 8 and all(32 * 1024 <= shared <= ADA_SHARED_MEMORY_BYTES for _, _, shared in results), results
+    assert len(results) == 8
+    assert all(32 * 1024 <= shared <= ADA_SHARED_MEMORY_BYTES for _, _, shared in results), results
 
 
 @pytest.mark.parametrize("attn, heads", [("eager", "multi-head"), ("triton", "multi-head"), ("sdpa", "multi-head"),
