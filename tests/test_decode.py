@@ -17,7 +17,11 @@ import sys
 import pytest
 import torch
 
-from attention import BACKENDS, decode_attention, triton_decode
+from attention import BACKENDS, decode_attention, store_in_cache, triton_decode
+from attention.decode import cached_keys, tiled_decode_attention, tiled_decode_splits
+from attention.eager import window_bounds
+from attention.launch import ADA_SHARED_MEMORY_BYTES, head_dim_block
+from conftest import REPO
 from model import GPT, GPTConfig, sample_next_token
 from test_kv_cache import GQA_WINDOW, context_sensitive_gpt, prompt
 from torch._dynamo.testing import CompileCounter  # imports triton: after attention, which picks the interpreter
@@ -254,7 +258,6 @@ def test_an_unknown_decode_backend_is_named():
 def test_the_triton_decode_operator_passes_opcheck(left):
     # opcheck also checks that the schema declares every input the operator writes: the caches.
     # The operator takes the window's left side as the kernel does: unbounded is a large int.
-    from attention.eager import window_bounds
     q, k, v, k_cache, v_cache = decode_inputs(2, 4, 2, 19, 16)
     torch.library.opcheck(torch.ops.nanofa2.decode_attention.default,
                           (q, k, v, k_cache, v_cache, torch.tensor([7]), window_bounds(False, (left, 0))[0]))
@@ -262,7 +265,7 @@ def test_the_triton_decode_operator_passes_opcheck(left):
 
 # Split-KV (triton_decode.py) and its twin (decode.tiled_decode_splits) at split counts and tiles
 # the tests choose: 16-key tiles, so that short caches have several tiles a split and splits
-# past pos, before the window and past the cache's end (7 splits of 3 tiles).
+# past pos, before the window and past the cache's end (7 splits of a 3- or 4-tile cache).
 # (B, H, H_kv, S, D, pos, left): groups G = 1, 2, 3, 4, 6, 8 (3 and 6 pad to 16 rows unevenly);
 # odd caches; pos at 0 (only the first split sees a key), mid and S - 1; windows that start
 # inside a split, cross a split's edge or hold the token alone; head dims 40, 64, 96, 128.
@@ -297,8 +300,6 @@ def cache_views(k_cache, v_cache):
 
 def split_decode(backend, q, k, v, k_cache, v_cache, pos, left, n_splits):
     """triton_decode.split_kv_decode, or the twin after storing the token as decode_attention does."""
-    from attention.decode import cached_keys, store_in_cache, tiled_decode_attention
-    from attention.eager import window_bounds
     left = window_bounds(False, (left, 0))[0]
     pos = torch.tensor([pos])
     if backend == "triton":
@@ -327,8 +328,6 @@ def test_split_kv_decode_matches_float64_at_every_split_count(backend, dtype, n_
 def test_the_kernels_splits_are_the_twins_split_for_split(monkeypatch, B, H, H_kv, S, D, pos, left):
     # The merge's inputs, the partial outputs and log-sum-exps, are the twin's: the same split
     # bounds, and a split that sees no key gives lse = -inf and a zero output in both.
-    from attention.decode import cached_keys, store_in_cache, tiled_decode_splits
-    from attention.eager import window_bounds
     merges = Launches(triton_decode._merge_splits)
     monkeypatch.setattr(triton_decode, "_merge_splits", merges)
     q, k, v, k_cache, v_cache = decode_inputs(B, H, H_kv, S, D)
@@ -420,7 +419,6 @@ def decode_kernel_shared_memory():
     import triton
     from triton.backends.compiler import GPUTarget
     from triton.compiler import ASTSource
-    from attention.launch import head_dim_block
     kernel = triton_decode._decode_split
     results = []
     for element_type, size in (("bf16", 2), ("fp32", 4)):
@@ -443,8 +441,6 @@ def decode_kernel_shared_memory():
 def test_the_decode_kernels_fixed_config_fits_the_target_cards_shared_memory():
     # Compiled for the RTX 4070 Super (sm_89) in a process without the interpreter: K and V
     # tiles in flight (cp.async) at every head dim and element size, under its 99 KB a block.
-    from attention.launch import ADA_SHARED_MEMORY_BYTES
-    from conftest import REPO
     env = dict(os.environ, TRITON_INTERPRET="0", TRITON_DEFAULT_FP_FUSION="1", PYTHONPATH=f"{REPO}:{REPO / 'tests'}")
     out = subprocess.run([sys.executable, "-c", "import json, test_decode; "
                           "print(json.dumps(test_decode.decode_kernel_shared_memory()))"],
