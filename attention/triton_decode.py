@@ -162,6 +162,9 @@ def split_rows(n_cache, n_splits, block_n):
     return math.ceil(math.ceil(n_cache / block_n) / n_splits) * block_n
 
 
+# torch.compile runs it as it traces and keeps the number: the tiled backend plans its splits
+# inside a compiled decoding step, and the card's properties are nothing to trace.
+@torch.compiler.assume_constant_result
 def sm_count(device):
     return torch.cuda.get_device_properties(device).multi_processor_count if device.type == "cuda" else ADA_SM_COUNT
 
