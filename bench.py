@@ -8,6 +8,7 @@ process on one CUDA card.
     python bench.py --mode=configs       # every tile config of each Triton kernel that fits the card, timed
     python bench.py --mode=step          # the default model's training step per backend: GPU and wall ms
     python bench.py --mode=step --block_sizes=256,512,1024,4096 --max_memory_gb=12   # ... and memory, per context
+    python bench.py --mode=decode        # one decoding step against a full KV cache: bytes read, share of the bandwidth
     NANOFA2_ADA=1 python bench.py ...    # the path an RTX 4070 Super takes (attention/launch.py says what)
 
 The grids are the FlashAttention-2 paper's (16k tokens a batch, hidden 2048, N from 512 to 16k,
@@ -17,7 +18,11 @@ projection as in the model. triton.testing.do_bench gives the median ms; TFLOP/s
 step mode times train.py's step (training/step.py), the backends in turns, as the host drifts over
 minutes: GPU time judges the kernels, wall time the host. At each block size the batch keeps
 the default run's tokens per micro-batch; a backend out of memory is not run at longer ones.
-Writes JSON and markdown (and a plot of each grid) to --out. Decoding: sample.py --benchmark=True.
+The decode mode times decode_attention alone, one new token against a full cache (triton, sdpa,
+and sdpa over the whole cache with no mask, exact there; triton at other split counts too),
+replayed from a CUDA graph as sample.py runs it, and divides the K and V bytes read by the time
+and by the card's memory bandwidth. Writes JSON and markdown (and a plot of each grid)
+to --out. Whole-model decoding: sample.py --benchmark=True.
 """
 import json
 import os
@@ -37,7 +42,7 @@ MODES = ("fwd", "bwd", "fwd+bwd")
 
 @dataclass
 class BenchConfig:
-    mode: str = choice("grid", ("grid", "ladder", "configs", "step"))  # what to measure
+    mode: str = choice("grid", ("grid", "ladder", "configs", "step", "decode"))  # what to measure
     grid: str = choice("paper", ("paper", "long", "all"))  # mode=grid: which grid of shapes
     quick: bool = False  # mode=grid: three lengths of each grid
     providers: str = "triton,sdpa_flash,sdpa_cudnn"  # mode=grid: comma-separated, of the backends but sdpa, and sdpa's kernels: sdpa_flash (FlashAttention-2), sdpa_cudnn, sdpa_efficient
@@ -66,7 +71,7 @@ import torch  # noqa: E402
 import torch.nn.functional as F  # noqa: E402
 from torch.nn.attention import SDPBackend, sdpa_kernel  # noqa: E402
 
-from attention import attention, launch  # noqa: E402
+from attention import attention, decode_attention, launch, store_in_cache, triton_decode  # noqa: E402
 from attention.eager import UNBOUNDED  # noqa: E402
 from attention.hopper import forward as hopper_forward  # noqa: E402
 from attention.launch import fitting_configs  # noqa: E402
@@ -247,6 +252,92 @@ def sweep_configs():
     return results
 
 
+# (B, H, H_kv, S, D): batch, query heads, kv heads, cache length, head dim.
+DECODE_SHAPES = [(8, 16, 16, 4096, 64), (8, 16, 4, 4096, 64), (8, 16, 16, 4096, 128), (8, 16, 4, 4096, 128),
+                 (1, 16, 4, 32768, 128), (1, 16, 16, 32768, 128)]
+# Peak memory bandwidth, bytes/s, of the cards the repo is measured on, by a part of
+# torch.cuda.get_device_name (the H100 SXM's name ends in HBM3; the PCIe card's does not).
+PEAK_BANDWIDTH = {"H100 80GB HBM3": 3.35e12, "H200": 4.8e12, "RTX 4070 SUPER": 504e9}
+
+
+def card_bandwidth(card):
+    """The card's peak memory bandwidth in bytes/s, or None for a card not in PEAK_BANDWIDTH."""
+    return next((bw for name, bw in PEAK_BANDWIDTH.items() if name.lower() in card.lower()), None)
+
+
+def decode_steps(q, k, v, k_cache, v_cache, pos):
+    """{label: one decoding step}, each storing the token at pos and attending over the cache."""
+    def sdpa_no_mask():
+        store_in_cache(k, v, k_cache, v_cache, pos)
+        return F.scaled_dot_product_attention(q, k_cache, v_cache, enable_gqa=q.shape[1] != k_cache.shape[1])
+    return {"triton": lambda: decode_attention(q, k, v, k_cache, v_cache, pos, backend="triton"),
+            "sdpa": lambda: decode_attention(q, k, v, k_cache, v_cache, pos, backend="sdpa"),
+            "sdpa, no mask": sdpa_no_mask}
+
+
+def split_steps(q, k, v, k_cache, v_cache, pos):
+    """{n_splits: the triton step with that many splits}: one, the host's plan, twice and four
+    times as many (at most MAX_SPLITS, and a tile a split), to see what the plan leaves."""
+    plan, block_n = triton_decode.split_plan(k_cache)
+    most = min(triton_decode.MAX_SPLITS, -(-k_cache.shape[2] // block_n))
+    step = lambda n: lambda: triton_decode.split_kv_decode(q, k, v, k_cache, v_cache, pos, UNBOUNDED, n, block_n)
+    return {n: step(n) for n in sorted({1, plan, min(2 * plan, most), min(4 * plan, most)})}
+
+
+def graphed(step):
+    """step captured in a CUDA graph, as sample.py runs a decoding step: a replay times the GPU's
+    work, not the host's (decode_attention's checks, pos's among them, which reads pos and so
+    waits for the GPU outside a capture). do_bench still clears the L2 before each replay."""
+    step()  # compiles the kernels before the capture
+    graph = torch.cuda.CUDAGraph()
+    with torch.cuda.graph(graph):
+        step()
+    return graph.replay
+
+
+def decode_times():
+    """Each of DECODE_SHAPES in bf16, one new token at the cache's last row (every row is read):
+    median µs of each of decode_steps and split_steps, replayed from a CUDA graph, and the K and V
+    bytes read over that as a share of the card's bandwidth."""
+    peak = card_bandwidth(torch.cuda.get_device_name())
+    time_us = lambda step: 1000 * triton.testing.do_bench(graphed(step), rep=config.rep_ms, return_mode="median")
+    rows = []
+    for B, H, H_kv, S, D in DECODE_SHAPES:
+        qkv = torch.randn(B, 1, H + 2 * H_kv, D, device="cuda", dtype=torch.bfloat16)
+        q, k, v = qkv.transpose(1, 2).split([H, H_kv, H_kv], dim=1)  # views of the fused projection, as in the model
+        k_cache, v_cache = (torch.randn(B, H_kv, S, D, device="cuda", dtype=torch.bfloat16) for _ in range(2))
+        inputs = (q, k, v, k_cache, v_cache, torch.tensor([S - 1], device="cuda"))
+        row = dict(shape=f"{B} x {H}/{H_kv} x {S:,} x {D}", bytes=2 * k_cache.numel() * k_cache.element_size(),
+                   splits=triton_decode.split_plan(k_cache)[0], steps={})
+        with torch.no_grad():
+            for label, step in decode_steps(*inputs).items():
+                us = time_us(step)
+                row["steps"][label] = dict(us=us, bandwidth=row["bytes"] / (us * 1e-6) / peak if peak else None)
+            row["triton_us_by_splits"] = {n: time_us(step) for n, step in split_steps(*inputs).items()}
+        rows.append(row)
+        print(f"{row['shape']:<24} {row['bytes'] / 1e6:6.0f} MB  " + "  ".join(
+            f"{label} {r['us']:8.1f} us" + (f" ({r['bandwidth']:.0%})" if peak else "")
+            for label, r in row["steps"].items()), flush=True)
+        print(f"{'':<24} triton by splits (the plan: {row['splits']}): " + ", ".join(
+            f"{n}: {us:.1f} us" for n, us in row["triton_us_by_splits"].items()), flush=True)
+    write("decode", rows, decode_table(rows, peak))
+
+
+def decode_table(rows, peak):
+    """Markdown: a row per shape, each step's µs and share of the bandwidth."""
+    labels = list(rows[0]["steps"])
+    share = lambda r: f"{r['bandwidth']:.0%}" if r["bandwidth"] is not None else "–"
+    lines = [f"Bandwidth: K and V bytes read over the step's time, against {peak / 1e12:.2f} TB/s." if peak else
+             "Bandwidth: this card's peak is not in bench.py's PEAK_BANDWIDTH.", "",
+             "| batch x heads/kv heads x cache x D | K+V bytes | triton splits | "
+             + " | ".join(f"{label} µs | of bandwidth" for label in labels) + " |",
+             "|---" * (3 + 2 * len(labels)) + "|"]
+    for row in rows:
+        lines.append(f"| {row['shape']} | {row['bytes'] / 1e6:,.0f} MB | {row['splits']} | "
+                     + " | ".join(f"{r['us']:,.0f} | {share(r)}" for r in row["steps"].values()) + " |")
+    return "\n".join(lines)
+
+
 def build_step(backend, compile_mode, block_size, device="cuda"):
     """train.py's step (training/step.py: the micro-batch loop, gradient clipping, the scaler) on
     the default model (GPTConfig(), dropout 0, bf16 autocast, fused AdamW, random tokens) at
@@ -370,6 +461,8 @@ def main():
         write("configs", sweep_configs())
     elif config.mode == "step":
         step_times()
+    elif config.mode == "decode":
+        decode_times()
     else:
         providers = config.providers.split(",")
         rows = []

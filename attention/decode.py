@@ -14,7 +14,8 @@ values, NaN).
 Why the whole cache and a position on the device, rather than k_cache[:, :, :n]: the step has
 the same shapes whatever the cache holds, so torch.compile compiles it once, a CUDA graph can
 replay it, and no backend meets a new shape at each token. The triton backend stores the token
-inside its kernel (triton_decode.py); the others store with index_copy_, then mask.
+inside its kernel (triton_decode.py: split-KV, Flash-Decoding); the others store with
+index_copy_, then mask, tiled as that kernel's twin.
 decode_attention (attention/__init__.py) checks its inputs here (check_decode_inputs) and calls
 the backend's function below, as backends.py's table names it, with the window's left side.
 """
@@ -26,7 +27,7 @@ import torch.nn.functional as F
 from .eager import masked_attention_with_lse
 from .inputs import check_inputs, check_tensor, check_triton_inputs
 from .tiled import online_softmax_update
-from .triton_decode import triton_decode_attention
+from .triton_decode import split_plan, split_rows, triton_decode_attention
 
 
 def check_decode_inputs(q, k, v, k_cache, v_cache, pos, window_size):
@@ -90,23 +91,58 @@ def eager_decode_attention(q, k, v, k_cache, v_cache, pos, left):
     return masked_attention_with_lse(q, k_cache, v_cache.masked_fill(~visible.mT, 0.0), visible)[0]
 
 
-def tiled_decode_attention(q, k, v, k_cache, v_cache, pos, left, tile_size=64):
-    """tiled.py's online softmax for one query row over the cache's key tiles. S is static, so
-    every tile is visited, masked outside visible."""
+def tiled_decode_attention(q, k, v, k_cache, v_cache, pos, left):
+    """The tiled backend's decoding step: Flash-Decoding in PyTorch, split as the kernel splits
+    the cache (triton_decode.split_plan)."""
+    return tiled_split_kv_decode(q, k, v, k_cache, v_cache, pos, left, *split_plan(k_cache))
+
+
+def tiled_split_kv_decode(q, k, v, k_cache, v_cache, pos, left, n_splits, tile_size):
+    """triton_decode.split_kv_decode's twin: the token stored at pos, the splits' partial outputs
+    (tiled_decode_splits), then merge_splits."""
     store_in_cache(k, v, k_cache, v_cache, pos)
     visible = cached_keys(pos, left, k_cache.shape[2])
+    o = merge_splits(*tiled_decode_splits(q, k_cache, v_cache, visible, n_splits, tile_size))  # (B, H_kv, G, D)
+    return o.reshape(q.shape).to(q.dtype)
+
+
+def tiled_decode_splits(q, k_cache, v_cache, visible, n_splits, tile_size):
+    """o_split (B, H_kv, G, n_splits, D) and lse_split (B, H_kv, G, n_splits): the cache's rows
+    cut into n_splits splits of split_rows(S, n_splits, tile_size) rows, each split running
+    tiled.py's online softmax over its key tiles, with the G query heads of a kv head as the
+    rows of q_tile, to a partial output and its log-sum-exp. S is static, so every tile of every
+    split is visited, masked outside visible (the kernel skips the tiles without a visible key),
+    and a split that sees no key ends with l_i = 0: o_split = 0, lse_split = -inf. The token's
+    key is in the cache here (stored before), at row pos."""
     compute = torch.float64 if q.dtype == torch.float64 else torch.float32
-    q_row = (q.to(compute) / math.sqrt(q.shape[-1])).unflatten(1, (k_cache.shape[1], -1))  # (B, H_kv, G, 1, D)
-    m_i = torch.full(q_row.shape[:-1], float("-inf"), dtype=compute, device=q.device)
-    l_i = torch.zeros_like(m_i)
-    acc = torch.zeros_like(q_row)
-    for k_start in range(0, k_cache.shape[2], tile_size):
-        seen = visible[..., k_start:k_start + tile_size]  # (1, 1, 1, keys)
-        k_tile = k_cache[:, :, None, k_start:k_start + tile_size].to(compute)
-        v_tile = v_cache[:, :, None, k_start:k_start + tile_size].masked_fill(~seen.mT.unsqueeze(1), 0.0)
-        scores = (q_row @ k_tile.transpose(-2, -1)).masked_fill(~seen.unsqueeze(1), float("-inf"))
-        m_i, l_i, acc = online_softmax_update(m_i, l_i, acc, scores, v_tile)
-    return (acc / l_i[..., None]).flatten(1, 2).to(q.dtype)
+    B, H_kv, S, D = k_cache.shape
+    q_tile = q.to(compute).reshape(B, H_kv, -1, D)  # (B, H_kv, G, D): a kv head's query heads are the rows
+    rows = split_rows(S, n_splits, tile_size)
+    o_split, lse_split = [], []
+    for split_start in range(0, n_splits * rows, rows):
+        m_i = torch.full(q_tile.shape[:-1], float("-inf"), dtype=compute, device=q.device)
+        l_i = torch.zeros_like(m_i)
+        acc = torch.zeros_like(q_tile)
+        for tile_start in range(split_start, min(split_start + rows, S), tile_size):
+            tile = slice(tile_start, min(tile_start + tile_size, S))
+            seen = visible[0, 0, 0, tile]  # (keys,)
+            k_tile = k_cache[:, :, tile].to(compute)
+            v_tile = v_cache[:, :, tile].masked_fill(~seen[:, None], 0.0)  # 0 * a stale NaN is NaN
+            s = (q_tile @ k_tile.mT / math.sqrt(D)).masked_fill(~seen, float("-inf"))
+            m_i, l_i, acc = online_softmax_update(m_i, l_i, acc, s, v_tile)
+        l_safe = l_i.masked_fill(l_i == 0, 1.0)
+        o_split.append(acc / l_safe[..., None])
+        lse_split.append((m_i + torch.log(l_safe)).masked_fill(l_i == 0, float("-inf")))
+    return torch.stack(o_split, dim=-2), torch.stack(lse_split, dim=-1)
+
+
+def merge_splits(o_split, lse_split):
+    """O from the splits' partial outputs (..., n_splits, D) and log-sum-exps (..., n_splits):
+    each split weighted by its share of the softmax's sum, exp(lse_split - lse_max) up to a
+    common factor, as the online softmax rescales a tile by alpha."""
+    lse_max = lse_split.amax(dim=-1, keepdim=True)  # finite: the split holding row pos sees the token
+    weights = torch.exp(lse_split - lse_max)
+    return (weights[..., None] * o_split).sum(dim=-2) / weights.sum(dim=-1)[..., None]
 
 
 def sdpa_decode_attention(q, k, v, k_cache, v_cache, pos, left):

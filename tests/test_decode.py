@@ -1,16 +1,27 @@
 """decode_attention: one new token per sequence, stored into a static KV cache and attending over
 the cached keys its window sees, every backend against a float64 reference, with grouped-query
-heads, windows, odd cache lengths and any head dim; the inputs it refuses (a cache of no rows,
-gradients the triton kernel cannot give, a pos of another dtype or outside the cache) and the
-cache rows that never change its result (stale NaN outside the window); sample_next_token, the
-one sampling function of every decoding path; a compiled decode step that draws exactly the
-tokens of the uncompiled one, and writes the cache in place; generation with the weights cast
-to bf16 once (no cast per token, the same tokens compiled or not, the cached logits those of
-the whole context)."""
+heads, windows, odd cache lengths and any head dim; split-KV and its twin at every split count
+(splits past pos, before the window and past the cache's end; the partial outputs and
+log-sum-exps alike split for split), the split count the host picks, and the kernels' shared
+memory on the target card; the inputs it refuses (a cache of no rows, gradients the triton
+kernel cannot give, a pos of another dtype or outside the cache) and the cache rows that never
+change its result (stale NaN outside the window); sample_next_token, the one sampling function
+of every decoding path; a compiled decode step that draws exactly the tokens of the uncompiled
+one, and writes the cache in place; generation with the weights cast to bf16 once (no cast per
+token, the same tokens compiled or not, the cached logits those of the whole context)."""
+import json
+import os
+import subprocess
+import sys
+
 import pytest
 import torch
 
-from attention import BACKENDS, decode_attention
+from attention import BACKENDS, decode_attention, store_in_cache, triton_decode
+from attention.decode import cached_keys, tiled_decode_splits, tiled_split_kv_decode
+from attention.eager import window_bounds
+from attention.launch import ADA_SHARED_MEMORY_BYTES, head_dim_block
+from conftest import REPO
 from model import GPT, GPTConfig, sample_next_token
 from test_kv_cache import GQA_WINDOW, context_sensitive_gpt, prompt
 from torch._dynamo.testing import CompileCounter  # imports triton: after attention, which picks the interpreter
@@ -259,10 +270,195 @@ def test_an_unknown_decode_backend_is_named():
 def test_the_triton_decode_operator_passes_opcheck(left):
     # opcheck also checks that the schema declares every input the operator writes: the caches.
     # The operator takes the window's left side as the kernel does: unbounded is a large int.
-    from attention.eager import window_bounds
     q, k, v, k_cache, v_cache = decode_inputs(2, 4, 2, 19, 16)
     torch.library.opcheck(torch.ops.nanofa2.decode_attention.default,
                           (q, k, v, k_cache, v_cache, torch.tensor([7]), window_bounds(False, (left, 0))[0]))
+
+
+# Split-KV (triton_decode.py) and its twin (decode.tiled_decode_splits) at split counts and tiles
+# the tests choose: 16-key tiles, so that short caches have several tiles a split and splits
+# past pos, before the window and past the cache's end (7 splits of a 3- or 4-tile cache).
+# (B, H, H_kv, S, D, pos, left): groups G = 1, 2, 3, 4, 6, 8 (3 and 6 pad to 16 rows unevenly);
+# odd caches; pos at 0 (only the first split sees a key), mid and S - 1; windows that start
+# inside a split, cross a split's edge or hold the token alone; head dims 40, 64, 96, 128.
+SPLIT_SHAPES = [
+    (2, 4, 4, 37, 64, 0, -1),
+    (1, 6, 3, 61, 40, 30, -1),
+    (2, 3, 1, 61, 96, 60, -1),
+    (1, 8, 2, 45, 128, 22, 9),
+    (1, 6, 1, 53, 40, 52, 20),
+    (2, 8, 1, 37, 64, 17, 0),
+]
+SPLIT_TILE = 16
+
+
+class Launches:
+    """Stands in for a @triton.jit kernel: records each launch's grid and arguments, then runs it."""
+
+    def __init__(self, kernel):
+        self.kernel, self.calls = kernel, []
+
+    def __getitem__(self, grid):
+        def launch(*args, **kwargs):
+            self.calls.append((grid, args))
+            return self.kernel[grid](*args, **kwargs)
+        return launch
+
+
+def cache_views(k_cache, v_cache):
+    """The caches as (B, H_kv, S, D) views of (B, S, H_kv, D) buffers: strided along S and H_kv."""
+    return [c.transpose(1, 2).contiguous().transpose(1, 2) for c in (k_cache, v_cache)]
+
+
+def split_decode(backend, q, k, v, k_cache, v_cache, pos, left, n_splits):
+    """triton_decode.split_kv_decode, or the twin after storing the token as decode_attention does."""
+    left = window_bounds(False, (left, 0))[0]
+    pos = torch.tensor([pos])
+    if backend == "triton":
+        return triton_decode.split_kv_decode(q, k, v, k_cache, v_cache, pos, left, n_splits, SPLIT_TILE)
+    return tiled_split_kv_decode(q, k, v, k_cache, v_cache, pos, left, n_splits, SPLIT_TILE)
+
+
+@pytest.mark.parametrize("backend", ["triton", "tiled"])
+@pytest.mark.parametrize("dtype", [torch.float32, torch.float16])
+@pytest.mark.parametrize("n_splits", [1, 2, 3, 7])
+@pytest.mark.parametrize("B, H, H_kv, S, D, pos, left", SPLIT_SHAPES)
+def test_split_kv_decode_matches_float64_at_every_split_count(backend, dtype, n_splits, B, H, H_kv, S, D, pos, left):
+    q, k, v, k_cache, v_cache = decode_inputs(B, H, H_kv, S, D, dtype)
+    if n_splits == 3:  # caches read and written through strides, as well as dense ones
+        k_cache, v_cache = cache_views(k_cache, v_cache)
+    o_expected, k_expected, v_expected = expected(q, k, v, k_cache, v_cache, pos, left)
+    o = split_decode(backend, q, k, v, k_cache, v_cache, pos, left, n_splits)
+    assert o.shape == (B, H, 1, D) and o.dtype == dtype
+    torch.testing.assert_close(o.double(), o_expected, atol=TOLERANCE[dtype], rtol=TOLERANCE[dtype])
+    assert torch.equal(k_cache.double(), k_expected) and torch.equal(v_cache.double(), v_expected)
+
+
+@pytest.mark.parametrize("B, H, H_kv, S, D, pos, left", SPLIT_SHAPES)
+def test_the_kernels_splits_are_the_twins_split_for_split(monkeypatch, B, H, H_kv, S, D, pos, left):
+    # The merge's inputs, the partial outputs and log-sum-exps, are the twin's: the same split
+    # bounds, and a split that sees no key gives lse = -inf and a zero output in both.
+    merges = Launches(triton_decode._merge_splits)
+    monkeypatch.setattr(triton_decode, "_merge_splits", merges)
+    q, k, v, k_cache, v_cache = decode_inputs(B, H, H_kv, S, D)
+    split_decode("triton", q, k, v, k_cache.clone(), v_cache.clone(), pos, left, 7)
+    (grid, (o_split, lse_split, *_)), = merges.calls
+    assert grid == (B * H,)
+    store_in_cache(k, v, k_cache, v_cache, torch.tensor([pos]))
+    visible = cached_keys(torch.tensor([pos]), window_bounds(False, (left, 0))[0], S)
+    o_twin, lse_twin = tiled_decode_splits(q, k_cache, v_cache, visible, 7, SPLIT_TILE)
+    torch.testing.assert_close(lse_split, lse_twin.flatten(1, 2), atol=1e-5, rtol=1e-5)
+    torch.testing.assert_close(o_split, o_twin.flatten(1, 2), atol=1e-5, rtol=1e-5)
+    empty = lse_split == float("-inf")
+    assert empty[..., -1].all() and not empty[..., pos // SPLIT_TILE].any()  # past the cache; the token's split
+    assert (o_split[empty] == 0).all()
+
+
+@pytest.mark.parametrize("backend", ["triton", "tiled"])
+@pytest.mark.parametrize("left", [-1, 3])
+def test_cache_rows_outside_the_window_never_reach_any_split(backend, left):
+    # As test_cache_rows_outside_the_window_never_change_the_result, with splits: NaN and inf in
+    # the rows after pos (whole splits of them) and before the window.
+    pos = 40
+    q, k, v, k_cache, v_cache = decode_inputs(2, 6, 2, 70, 40, torch.float16)
+    first = 0 if left < 0 else pos - left
+    for cache in (k_cache, v_cache):
+        cache[:, :, pos + 1::2] = float("nan")
+        cache[:, :, pos + 2::2] = float("inf")
+        cache[:, :, :first:2] = float("nan")
+        cache[:, :, 1:first:2] = float("-inf")
+    o_expected, k_expected, v_expected = expected(q, k, v, k_cache, v_cache, pos, left)
+    o = split_decode(backend, q, k, v, k_cache, v_cache, pos, left, 4)
+    assert o.isfinite().all()
+    torch.testing.assert_close(o.double(), o_expected, atol=2e-3, rtol=2e-3)
+    torch.testing.assert_close(k_cache.double(), k_expected, atol=0, rtol=0, equal_nan=True)
+    torch.testing.assert_close(v_cache.double(), v_expected, atol=0, rtol=0, equal_nan=True)
+
+
+@pytest.mark.parametrize("S, splits", [(1100, 5), (37, 1)])
+def test_the_split_count_the_host_picks_is_what_the_kernel_runs(monkeypatch, S, splits):
+    # On the CPU the plan assumes the 4070 Super's 56 SMs: 2 (batch, kv head) pairs of a
+    # 1,100-row cache in 256-row tiles (D=16, float32) take 5 splits, one a tile; a 37-row
+    # cache takes one, and no merge.
+    launches = {name: Launches(getattr(triton_decode, name)) for name in ("_decode_split", "_merge_splits")}
+    for name, recorder in launches.items():
+        monkeypatch.setattr(triton_decode, name, recorder)
+    q, k, v, k_cache, v_cache = decode_inputs(1, 4, 2, S, 16)
+    assert triton_decode.split_plan(k_cache) == (splits, 256)
+    o_expected, _, _ = expected(q, k, v, k_cache, v_cache, S - 3, -1)
+    o = decode_attention(q, k, v, k_cache, v_cache, torch.tensor([S - 3]))
+    torch.testing.assert_close(o.double(), o_expected, atol=1e-5, rtol=1e-5)
+    assert [grid for grid, _ in launches["_decode_split"].calls] == [(2, splits)]
+    assert [grid for grid, _ in launches["_merge_splits"].calls] == ([(4,)] if splits > 1 else [])
+
+
+@pytest.mark.parametrize("programs, n_tiles, splits", [
+    (8 * 16, 32, 2),    # batch 8 x 16 kv heads, 4,096 rows at D=64: 256 programs, about 2 an SM
+    (8 * 4, 64, 7),     # 4 kv heads at D=128 (64-row tiles): 7 splits, 224 programs
+    (1 * 4, 512, 57),   # batch 1, 32,768 rows: 55 and 56 give 10 tiles a split as 54 does
+    (212, 64, 1),       # 212 programs fill 80% of 264 slots already
+    (4, 4, 1),          # 4 tiles: a merge would cost more than it saves
+    (2 * 12, 2, 1),     # sample.py's default model at batch 2, 512 rows at D=32
+])
+def test_the_split_count_follows_flash_attention_2s_heuristic_on_an_h100(programs, n_tiles, splits):
+    assert triton_decode.decode_splits(programs, n_tiles, n_sms=132) == splits
+
+
+def test_no_split_lies_past_the_end_of_the_cache():
+    for programs in range(1, 300, 7):
+        for n_tiles in range(1, 700, 3):
+            n_splits = triton_decode.decode_splits(programs, n_tiles, n_sms=132)
+            tiles_per_split = triton_decode.split_rows(n_tiles, n_splits, 1)
+            assert 1 <= n_splits <= triton_decode.MAX_SPLITS and (n_splits - 1) * tiles_per_split < n_tiles
+
+
+def test_the_triton_decode_in_bfloat16_on_the_cpu_matches_float64():
+    # The interpreter's tl.dot is wrong on bf16: the kernel runs in float32 there, and the token
+    # still lands in the bf16 caches.
+    q, k, v, k_cache, v_cache = decode_inputs(2, 6, 2, 45, 40, torch.bfloat16)
+    o_expected, k_expected, v_expected = expected(q, k, v, k_cache, v_cache, 30, -1)
+    o = triton_decode.split_kv_decode(q, k, v, k_cache, v_cache, torch.tensor([30]), 2 ** 30, 3, SPLIT_TILE)
+    assert o.dtype == torch.bfloat16
+    torch.testing.assert_close(o.double(), o_expected, atol=2e-2, rtol=2e-2)
+    assert torch.equal(k_cache.double(), k_expected) and torch.equal(v_cache.double(), v_expected)
+
+def decode_kernel_shared_memory():
+    """[(element type, head dim, bytes)]: _decode_split compiled for sm_89 with its fixed config,
+    as tests/test_triton_configs.py compiles the other kernels (pointers and integer arguments
+    divisible by 16, as Triton infers at launch for the model's tensors)."""
+    import triton
+    from triton.backends.compiler import GPUTarget
+    from triton.compiler import ASTSource
+    kernel = triton_decode._decode_split
+    results = []
+    for element_type, size in (("bf16", 2), ("fp32", 4)):
+        for head_dim in (16, 64, 128, 256):
+            constexprs = dict(HEAD_DIM=head_dim, BLOCK_D=head_dim_block(head_dim), BLOCK_G=16,
+                              BLOCK_N=triton_decode.decode_block_n(head_dim, size))
+            types = dict(dict.fromkeys(("Q", "K", "V", "K_CACHE", "V_CACHE", "O_SPLIT"), "*" + element_type),
+                         LSE_SPLIT="*fp32", POS="*i64", qk_scale="fp32", **dict.fromkeys(constexprs, "constexpr"))
+            signature = {name: types.get(name, "i32") for name in kernel.arg_names}
+            attrs = {(i,): [["tt.divisibility", 16]] for i, name in enumerate(kernel.arg_names)
+                     if signature[name] in ("i32", "*" + element_type)}
+            compiled = triton.compile(ASTSource(kernel, signature, constexprs=constexprs, attrs=attrs),
+                                      target=GPUTarget("cuda", 89, 32),
+                                      options=dict(num_warps=triton_decode.DECODE_NUM_WARPS,
+                                                   num_stages=triton_decode.DECODE_NUM_STAGES))
+            results.append((element_type, head_dim, compiled.metadata.shared))
+    return results
+
+
+def test_the_decode_kernels_fixed_config_fits_the_target_cards_shared_memory():
+    # Compiled for the RTX 4070 Super (sm_89) in a process without the interpreter: K and V
+    # tiles in flight (cp.async) at every head dim and element size, under its 99 KB a block.
+    env = dict(os.environ, TRITON_INTERPRET="0", TRITON_DEFAULT_FP_FUSION="1", PYTHONPATH=f"{REPO}:{REPO / 'tests'}")
+    out = subprocess.run([sys.executable, "-c", "import json, test_decode; "
+                          "print(json.dumps(test_decode.decode_kernel_shared_memory()))"],
+                         env=env, cwd=REPO, capture_output=True, text=True, timeout=600)
+    assert out.returncode == 0, out.stderr[-3000:]
+    results = json.loads(out.stdout.strip().splitlines()[-1])
+    assert len(results) == 8
+    assert all(32 * 1024 <= shared <= ADA_SHARED_MEMORY_BYTES for _, _, shared in results), results
 
 
 @pytest.mark.parametrize("attn, heads", [("eager", "multi-head"), ("triton", "multi-head"), ("sdpa", "multi-head"),
@@ -371,9 +567,39 @@ def test_the_decode_step_compiles_once_across_tokens_refills_and_generate_calls(
 @pytest.mark.parametrize("backend", BACKENDS)
 @pytest.mark.parametrize("B, H, H_kv, S, D, pos, left", SHAPES + [
     (32, 8, 2, 256, 64, 199, -1), (1, 8, 8, 256, 128, 255, 100), (4, 8, 1, 300, 96, 299, 63),
-    (2, 4, 2, 257, 160, 256, 0), (2, 8, 2, 513, 256, 512, 257)])
+    (2, 4, 2, 257, 160, 256, 0), (2, 8, 2, 513, 256, 512, 257),
+    # Long caches for few (batch, kv head) pairs: split, some splits without a key for this pos.
+    (1, 16, 4, 4096, 128, 2047, -1), (2, 12, 3, 8191, 64, 8190, 1000), (1, 8, 1, 3001, 256, 10, -1),
+    (1, 6, 2, 2000, 40, 1999, 77)])
 def test_decode_attention_on_the_gpu_in_bfloat16(backend, B, H, H_kv, S, D, pos, left):
     check_decode(backend, torch.bfloat16, B, H, H_kv, S, D, pos, left, "cuda", 2e-2)
+
+
+@pytest.mark.gpu
+@pytest.mark.parametrize("compiled", [False, True])
+def test_a_captured_split_kv_decode_is_right_wherever_pos_moves(compiled):
+    # The split count comes from S alone, so one graph, captured at one position, replays right
+    # at every other: at 0 (one split sees a key), inside the cache (a window of 1,000 keys
+    # leaves splits empty on both sides) and at the last row.
+    B, H, H_kv, S, D, left = 1, 16, 4, 4096, 128, 1000
+    q, k, v, k_cache, v_cache = decode_inputs(B, H, H_kv, S, D, torch.bfloat16, "cuda")
+    assert triton_decode.split_plan(k_cache)[0] > 4
+    pos = torch.tensor([S - 1], device="cuda")
+    step = lambda: decode_attention(q, k, v, k_cache, v_cache, pos, (left, 0))
+    step = torch.compile(step, fullgraph=True) if compiled else step
+    graph = torch.cuda.CUDAGraph()
+    with torch.no_grad():
+        step()  # compiles the kernels (and the graph) before the capture
+        torch.cuda.synchronize()
+        with torch.cuda.graph(graph):
+            o = step()
+    for p in (0, 700, 2049, S - 1):
+        k_before, v_before = k_cache.clone(), v_cache.clone()
+        pos.fill_(p)
+        graph.replay()
+        o_expected, k_expected, v_expected = expected(q, k, v, k_before, v_before, p, left)
+        torch.testing.assert_close(o.double().cpu(), o_expected, atol=2e-2, rtol=2e-2)
+        assert torch.equal(k_cache.double().cpu(), k_expected) and torch.equal(v_cache.double().cpu(), v_expected)
 
 
 def uncaptured_greedy(gpt, tokens, max_new_tokens):
@@ -559,3 +785,57 @@ def test_a_cuda_graph_decode_with_bf16_weights_draws_the_tokens_of_the_uncapture
         for _ in range(2):
             assert torch.equal(gpt.generate(tokens, max_new_tokens=11, top_k=1), expected_tokens)
             assert gpt.generate_decoder.graph is not None and gpt.generate_decoder.cache.dtype == torch.bfloat16
+
+
+@pytest.fixture(scope="module")
+def bench():
+    from unittest import mock
+    with mock.patch.object(sys, "argv", ["bench.py", "--mode=decode"]):
+        import bench
+    return bench
+
+
+def test_bench_decode_times_what_its_labels_say(bench, monkeypatch):
+    # triton: the split-KV kernel with the host's split count (5 splits on the CPU, see
+    # test_the_split_count_the_host_picks_is_what_the_kernel_runs) and no sdpa; sdpa: the sdpa
+    # backend, masked; sdpa, no mask: sdpa over the whole cache. Each stores the token and is exact.
+    splits = Launches(triton_decode._decode_split)
+    monkeypatch.setattr(triton_decode, "_decode_split", splits)
+    masks = []
+    sdpa = torch.nn.functional.scaled_dot_product_attention
+    monkeypatch.setattr(torch.nn.functional, "scaled_dot_product_attention",
+                        lambda *args, **kwargs: masks.append(kwargs.get("attn_mask")) or sdpa(*args, **kwargs))
+    ran = {}
+    for label in ("triton", "sdpa", "sdpa, no mask"):
+        q, k, v, k_cache, v_cache = decode_inputs(1, 4, 2, 1100, 16)
+        o_expected, k_expected, _ = expected(q, k, v, k_cache, v_cache, 1099)
+        steps = bench.decode_steps(q, k, v, k_cache, v_cache, torch.tensor([1099]))
+        assert list(steps) == ["triton", "sdpa", "sdpa, no mask"]
+        splits.calls.clear()
+        masks.clear()
+        o = steps[label]()
+        torch.testing.assert_close(o.double(), o_expected, atol=1e-5, rtol=1e-5)
+        assert torch.equal(k_cache.double(), k_expected)
+        ran[label] = ([grid for grid, _ in splits.calls], [mask is not None for mask in masks])
+    assert ran == {"triton": ([(2, 5)], []), "sdpa": ([], [True]), "sdpa, no mask": ([], [False])}
+
+
+@pytest.mark.parametrize("card, bandwidth", [("NVIDIA H100 80GB HBM3", 3.35e12), ("NVIDIA H200", 4.8e12),
+                                             ("NVIDIA GeForce RTX 4070 SUPER", 504e9), ("NVIDIA H100 PCIe", None)])
+def test_bench_decode_knows_the_bandwidth_of_the_repos_cards_by_name(bench, card, bandwidth):
+    assert bench.card_bandwidth(card) == bandwidth
+
+
+def test_bench_decode_times_triton_at_the_split_counts_it_names(bench, monkeypatch):
+    # 16 (batch, kv head) pairs of a 10-tile cache (64-row tiles at D=64, float32): the plan on
+    # the CPU is 5 splits; twice that is a tile a split, and 4 times is capped there.
+    splits = Launches(triton_decode._decode_split)
+    monkeypatch.setattr(triton_decode, "_decode_split", splits)
+    q, k, v, k_cache, v_cache = decode_inputs(4, 8, 4, 600, 64)
+    o_expected, _, _ = expected(q, k, v, k_cache, v_cache, 599)
+    steps = bench.split_steps(q, k, v, k_cache, v_cache, torch.tensor([599]))
+    assert list(steps) == [1, 5, 10]
+    for n, step in steps.items():
+        splits.calls.clear()
+        torch.testing.assert_close(step().double(), o_expected, atol=1e-5, rtol=1e-5)
+        assert [grid for grid, _ in splits.calls] == [(16, n)]
