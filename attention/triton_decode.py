@@ -58,7 +58,7 @@ def _decode_attn(Q, K, V, K_CACHE, V_CACHE, O, POS,
         s = tl.where(seen, s, float("-inf"))
         m_new = tl.maximum(m_i, tl.max(s, 0))
         p = tl.exp2(s - m_new)
-        alpha = tl.exp2(m_i - m_new)  # how much the old maximum overstated the new one
+        alpha = tl.exp2(m_i - m_new)  # rescales the sums accumulated against the old maximum to the new one
         l_i = l_i * alpha + tl.sum(p, 0)
         v_tile = tl.load(V_CACHE + rows[:, None] * stride_vcn + dims[None, :], mask=mask, other=0.0)
         acc = acc * alpha + tl.sum(p[:, None] * v_tile.to(tl.float32), 0)
