@@ -4,8 +4,7 @@ fails, or prints, as its chapter says.
 A command is a line of a ```bash block, or `python ...` / `pytest ...` in backticks in prose (a
 span may cross a line break); a ```python block is a program. A command that needs a CUDA card
 says so: `*(GPU)*` right after it, or a `# GPU` comment in a bash block (every bench.py one).
-- CPU commands run as written in a copy of the repo (its tracked and untracked, not ignored
-  files), after the commands they need (PREREQUISITES), and must exit 0. A `pytest` selection
+- CPU commands run as written in a copy of the repo (less what .gitignore names), after the commands they need (PREREQUISITES), and must exit 0. A `pytest` selection
   is a part of the suite CI runs (`pytest`, the README's own command): here it must select tests.
 - GPU commands name real files and keys here; the GPU test at the end runs those of the README
   and the course as written (`bash .ci/gpu course`), and every one has a stage in .ci/gpu.
@@ -102,13 +101,11 @@ def help_text(script):
 
 
 def copy_of_the_repo(to):
-    """The repo's files (tracked, and untracked but not ignored: what a clone with your edits has)."""
-    files = subprocess.run(["git", "ls-files", "-co", "--exclude-standard", "-z"], cwd=REPO, capture_output=True,
-                           check=True).stdout.decode().split("\0")
-    for name in filter(None, files):
-        if (REPO / name).is_file():
-            (to / name).parent.mkdir(parents=True, exist_ok=True)
-            shutil.copy2(REPO / name, to / name)
+    """The repo's files without what .gitignore names (runs, data, caches) or git's own: what a
+    clone with your edits has. (By name: a .gitignore path is taken as its last part.)"""
+    ignored = [line.strip().strip("/").split("/")[-1] for line in (REPO / ".gitignore").read_text().splitlines()
+               if line.strip() and not line.startswith("#")]
+    shutil.copytree(REPO, to, ignore=shutil.ignore_patterns(".git", *ignored), dirs_exist_ok=True)
     return to
 
 
