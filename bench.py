@@ -14,7 +14,8 @@ process on one CUDA card.
 The grids are the FlashAttention-2 paper's (16k tokens a batch, hidden 2048, N from 512 to 16k,
 head dims 64 and 128, causal and not) and a long-context one, q, k, v being views of one fused
 projection as in the model. triton.testing.do_bench gives the median ms; TFLOP/s count
-4 * B * H * N^2 * D for the forward (half when causal), 2.5 times that for the backward. The
+4 * B * H * N^2 * D for the forward (half when causal), 2.5 times that for the backward, each
+printed beside the fraction of the card's dense 16-bit tensor-core peak it reached (CARDS). The
 step mode times train.py's step (training/step.py), the backends in turns, as the host drifts over
 minutes: GPU time judges the kernels, wall time the host. At each block size the batch keeps
 the default run's tokens per micro-batch; a backend out of memory is not run at longer ones.
@@ -24,11 +25,13 @@ replayed from a CUDA graph as sample.py runs it, and divides the K and V bytes r
 and by the card's memory bandwidth. Writes JSON and markdown (and a plot of each grid)
 to --out. Whole-model decoding: sample.py --benchmark=True.
 """
+import functools
 import json
 import os
 import platform
 import statistics
 import time
+from collections import namedtuple
 from dataclasses import asdict, dataclass, replace
 from unittest import mock
 
@@ -82,6 +85,46 @@ from training.devices import World, autocast, cap_memory, synchronize  # noqa: E
 from training.step import make_train_step  # noqa: E402
 
 import triton  # noqa: E402, I001  (after attention, which decides whether Triton interprets)
+
+# What a TFLOP/s or GB/s figure is a fraction of: each card's dense (no sparsity) 16-bit
+# tensor-core peak with float32 accumulation, as the kernels accumulate, and its memory bandwidth,
+# keyed by the name torch.cuda.get_device_name gives. NANOFA2_ADA=1 changes the code path, not
+# the card: on an H100 its fractions are of the H100's peak, not an RTX 4070 Super's.
+Card = namedtuple("Card", "tflops gb_per_s source")
+CARDS = {
+    # GeForce cards run fp16/bf16 MMA with fp32 accumulation at half the fp16-accumulate rate:
+    # 512 FLOP a clock per SM (NVIDIA Ada GPU architecture whitepaper, appendix: RTX 4090, 165.2
+    # TFLOP/s from 128 SMs at 2,520 MHz) x 56 SMs x 2,475 MHz boost = 71.0 TFLOP/s; 21 Gbps GDDR6X
+    # on a 192-bit bus = 504 GB/s (NVIDIA's RTX 4070 family specifications).
+    "NVIDIA GeForce RTX 4070 SUPER": Card(71.0, 504, "Ada whitepaper's per-SM rate x 56 SMs x 2,475 MHz"),
+    # 989.4 dense BF16/FP16 TFLOP/s (the datasheet's 1,979 is with 2:4 sparsity), 3.35 TB/s HBM3:
+    # NVIDIA H100 Tensor Core GPU datasheet, SXM5 column (torch names the SXM5 card so).
+    "NVIDIA H100 80GB HBM3": Card(989.4, 3350, "NVIDIA H100 datasheet, SXM"),
+    # The same tensor cores and clocks as the H100 SXM, 4.8 TB/s HBM3e: NVIDIA H200 datasheet, SXM.
+    "NVIDIA H200": Card(989.4, 4800, "NVIDIA H200 datasheet, SXM"),
+}
+
+
+def this_card(name=None):
+    """The CARDS entry of the card named (by default the one bench.py runs on), or None for a
+    card not in the table."""
+    return CARDS.get(name or torch.cuda.get_device_name())
+
+
+def of_peak(value, peak):
+    """value as a percentage of peak, for the printed lines and tables: "37%", or "?" without a peak."""
+    return f"{value / peak:.0%}" if peak else "?"
+
+
+def tflops_of_peak(tflops):
+    card = this_card()
+    return of_peak(tflops, card and card.tflops)
+
+
+def bandwidth_of_peak(gb_per_s):
+    card = this_card()
+    return of_peak(gb_per_s, card and card.gb_per_s)
+
 
 SDPA_BACKENDS = dict(zip(SDPA_KERNELS, (SDPBackend.FLASH_ATTENTION, SDPBackend.CUDNN_ATTENTION,
                                          SDPBackend.EFFICIENT_ATTENTION)))
@@ -149,26 +192,30 @@ def bench_grid(grid, shapes, providers):
                 row["status"] = "unsupported: " + str(e).splitlines()[0][:80]
             torch.cuda.empty_cache()
             rows.append(row)
-            perf = "  ".join(f"{m} {row[m]['tflops']:6.1f}" for m in MODES) if row["status"] == "ok" else row["status"]
+            perf = "  ".join(f"{m} {row[m]['tflops']:6.1f} ({tflops_of_peak(row[m]['tflops']):>4} of peak)"
+                             for m in MODES) if row["status"] == "ok" else row["status"]
             print(f"N={shape['N']:<6} D={shape['D']:<4} {'causal' if shape['causal'] else 'full  '} {name:<15} {perf}",
                   flush=True)
     return rows
 
 
 def grid_tables(rows, providers):
-    """Markdown: per grid, mode, head dim and mask, TFLOP/s by N, and triton over FA2 and cuDNN."""
+    """Markdown: per grid, mode, head dim and mask, TFLOP/s by N (and the fraction of the card's
+    peak), and triton over FA2 and cuDNN."""
     lines = []
     for grid in sorted({r["grid"] for r in rows}):
         for mode in MODES:
             for D, causal in sorted({(r["D"], r["causal"]) for r in rows if r["grid"] == grid}):
                 sel = [r for r in rows if (r["grid"], r["D"], r["causal"]) == (grid, D, causal) and r["status"] == "ok"]
-                lines += [f"**{grid} grid, {mode}, D={D}, {'causal' if causal else 'full'}** (TFLOP/s)", "",
+                lines += [f"**{grid} grid, {mode}, D={D}, {'causal' if causal else 'full'}** (TFLOP/s, and % of "
+                          "the card's dense 16-bit peak)", "",
                           "| N | " + " | ".join(providers) + " | triton / FA2 | triton / cuDNN |",
                           "|---" * (len(providers) + 3) + "|"]
                 for n in sorted({r["N"] for r in sel}):
                     tf = {r["provider"]: r[mode]["tflops"] for r in sel if r["N"] == n}
                     ratio = lambda peer: f"{tf['triton'] / tf[peer]:.2f}" if "triton" in tf and peer in tf else "–"
-                    lines.append(f"| {n} | " + " | ".join(f"{tf[p]:.0f}" if p in tf else "–" for p in providers)
+                    lines.append(f"| {n} | " + " | ".join(f"{tf[p]:.0f} ({tflops_of_peak(tf[p])})" if p in tf else "–"
+                                                        for p in providers)
                                  + f" | {ratio('sdpa_flash')} | {ratio('sdpa_cudnn')} |")
                 lines.append("")
     return "\n".join(lines)
@@ -195,36 +242,44 @@ def plot_grid(rows, grid, path):
     fig.savefig(path, dpi=110)
 
 
+# The ladder's rungs: (label, (BLOCK_M, BLOCK_N, num_warps, num_stages, USE_TMA)) of _attn_fwd.
+# With one stage Triton issues plain loads; from two it pipelines them with cp.async.
+LADDER = [("the article's tiles: 16x16, no pipelining", (16, 16, 4, 1, False)),
+          ("64x64 tiles", (64, 64, 4, 1, False)),
+          ("+ software pipelining (3 stages)", (64, 64, 4, 3, False)),
+          ("128x64 tiles, 8 warps", (128, 64, 8, 3, False)),
+          ("TMA descriptors instead of cp.async", (128, 64, 8, 3, True)),
+          ("64x128 tiles, TMA, 2 stages", (64, 128, 4, 2, True))]
+
+
 def ladder():
     """The forward at one shape (B=4, H=16, N=4096, D=64, causal, bf16), one knob at a time from
-    the article's 16x16 tiles to the tuned kernel, then (on Hopper) the Gluon kernel, then sdpa's."""
+    the article's 16x16 tiles to the tuned kernel (LADDER), then (on Hopper) the Gluon kernel,
+    then sdpa's."""
     shape = dict(B=4, H=16, N=4096, D=64, causal=True, dtype="bfloat16")
     _, q, k, v = make_inputs(shape, requires_grad=False)
-    steps = [("the article's tiles: 16x16, no pipelining", (16, 16, 4, 1, False)),
-             ("64x64 tiles", (64, 64, 4, 1, False)),
-             ("+ software pipelining (3 stages)", (64, 64, 4, 3, False)),
-             ("128x64 tiles, 8 warps", (128, 64, 8, 3, False)),
-             ("TMA descriptors instead of cp.async", (128, 64, 8, 3, True)),
-             ("64x128 tiles, TMA, 2 stages", (64, 128, 4, 2, True))]
+    # Each rung's call is bound to its config as the rung is built (functools.partial): a lambda
+    # would read the loop variable when do_bench calls it, after the loop, and time the last config
+    # at every rung.
     timed = []
-    for label, (bm, bn, warps, stages, tma) in steps:
+    for label, (bm, bn, warps, stages, tma) in LADDER:
         if tma and not launch.has_tma(q.device):
             continue
         tiles = triton.Config(dict(BLOCK_M=bm, BLOCK_N=bn, USE_TMA=tma), num_warps=warps, num_stages=stages)
-        timed.append((label, lambda: flash_forward(q, k, v, True, config=tiles)))
-    timed.append(("tuned Triton kernel (triton.autotune)", lambda: flash_forward(q, k, v, True)))
+        timed.append((label, str(tiles), functools.partial(flash_forward, q, k, v, True, config=tiles)))
+    timed.append(("tuned Triton kernel (triton.autotune)", "", functools.partial(flash_forward, q, k, v, True)))
     with mock.patch.object(hopper_forward, "serves", lambda *args: False):  # the Triton kernels alone
-        rows = [dict(step=label, ms=triton.testing.do_bench(fn, rep=config.rep_ms, return_mode="median"))
-                for label, fn in timed]
+        rows = [dict(step=label, config=tiles, ms=triton.testing.do_bench(fn, rep=config.rep_ms, return_mode="median"))
+                for label, tiles, fn in timed]
     if hopper_forward.serves(q, k, UNBOUNDED, 0):
-        rows.append(dict(step="warp-specialised Gluon kernel (Hopper)", ms=triton.testing.do_bench(
-            lambda: flash_forward(q, k, v, True), rep=config.rep_ms, return_mode="median")))
+        rows.append(dict(step="warp-specialised Gluon kernel (Hopper)", config="", ms=triton.testing.do_bench(
+            functools.partial(flash_forward, q, k, v, True), rep=config.rep_ms, return_mode="median")))
     for name in SDPA_BACKENDS:
-        rows.append(dict(step=name, ms=triton.testing.do_bench(lambda: run_provider(name, q, k, v, True),
-                                                               rep=config.rep_ms, return_mode="median")))
+        rows.append(dict(step=name, config="", ms=triton.testing.do_bench(
+            functools.partial(run_provider, name, q, k, v, True), rep=config.rep_ms, return_mode="median")))
     for row in rows:
         row["tflops"] = flops(shape, "fwd") / row["ms"] / 1e9
-        print(f"{row['step']:<45} {row['ms']:8.3f} ms {row['tflops']:7.1f} TFLOP/s")
+        print(f"{row['step']:<45} {row['ms']:8.3f} ms {row['tflops']:7.1f} TFLOP/s {tflops_of_peak(row['tflops']):>4} of peak")
     return dict(shape=shape, steps=rows)
 
 
@@ -239,11 +294,11 @@ def sweep_configs():
             o, lse = flash_forward(q, k, v, causal)
             do = torch.randn_like(o)
             for kernel, configs, smem_rows, fn in (
-                    ("fwd", FORWARD_CONFIGS, forward_smem_rows, lambda c: flash_forward(q, k, v, causal, config=c)),
+                    ("fwd", FORWARD_CONFIGS, forward_smem_rows, functools.partial(flash_forward, q, k, v, causal)),
                     ("bwd", BACKWARD_CONFIGS, backward_smem_rows,
-                     lambda c: flash_backward(q, k, v, o, do, lse, causal, config=c))):
+                     functools.partial(flash_backward, q, k, v, o, do, lse, causal))):
                 for c in fitting_configs(configs, smem_rows, q, D, 4096, 4096):
-                    ms = triton.testing.do_bench(lambda: fn(c), rep=config.rep_ms, return_mode="median")
+                    ms = triton.testing.do_bench(functools.partial(fn, config=c), rep=config.rep_ms, return_mode="median")
                     results.append(dict(kernel=kernel, D=D, causal=causal, config=str(c), ms=ms))
                 ranked = sorted((r for r in results if (r["kernel"], r["D"], r["causal"]) == (kernel, D, causal)),
                                 key=lambda r: r["ms"])
@@ -255,16 +310,6 @@ def sweep_configs():
 # (B, H, H_kv, S, D): batch, query heads, kv heads, cache length, head dim.
 DECODE_SHAPES = [(8, 16, 16, 4096, 64), (8, 16, 4, 4096, 64), (8, 16, 16, 4096, 128), (8, 16, 4, 4096, 128),
                  (1, 16, 4, 32768, 128), (1, 16, 16, 32768, 128)]
-# Peak memory bandwidth, bytes/s, of the cards the repo is measured on, by a part of
-# torch.cuda.get_device_name (the H100 SXM's name ends in HBM3; the PCIe card's does not).
-PEAK_BANDWIDTH = {"H100 80GB HBM3": 3.35e12, "H200": 4.8e12, "RTX 4070 SUPER": 504e9}
-
-
-def card_bandwidth(card):
-    """The card's peak memory bandwidth in bytes/s, or None for a card not in PEAK_BANDWIDTH."""
-    return next((bw for name, bw in PEAK_BANDWIDTH.items() if name.lower() in card.lower()), None)
-
-
 def decode_steps(q, k, v, k_cache, v_cache, pos):
     """{label: one decoding step}, each storing the token at pos and attending over the cache."""
     def sdpa_no_mask():
@@ -299,7 +344,8 @@ def decode_times():
     """Each of DECODE_SHAPES in bf16, one new token at the cache's last row (every row is read):
     median µs of each of decode_steps and split_steps, replayed from a CUDA graph, and the K and V
     bytes read over that as a share of the card's bandwidth."""
-    peak = card_bandwidth(torch.cuda.get_device_name())
+    card = this_card()
+    peak = card.gb_per_s * 1e9 if card else None  # bytes/s
     time_us = lambda step: 1000 * triton.testing.do_bench(graphed(step), rep=config.rep_ms, return_mode="median")
     rows = []
     for B, H, H_kv, S, D in DECODE_SHAPES:
@@ -328,7 +374,7 @@ def decode_table(rows, peak):
     labels = list(rows[0]["steps"])
     share = lambda r: f"{r['bandwidth']:.0%}" if r["bandwidth"] is not None else "–"
     lines = [f"Bandwidth: K and V bytes read over the step's time, against {peak / 1e12:.2f} TB/s." if peak else
-             "Bandwidth: this card's peak is not in bench.py's PEAK_BANDWIDTH.", "",
+             "Bandwidth: this card's peak is not in bench.py's CARDS.", "",
              "| batch x heads/kv heads x cache x D | K+V bytes | triton splits | "
              + " | ".join(f"{label} µs | of bandwidth" for label in labels) + " |",
              "|---" * (3 + 2 * len(labels)) + "|"]
@@ -433,8 +479,10 @@ def step_table(results):
 
 def environment():
     props = torch.cuda.get_device_properties(0)
+    card = this_card()
     return dict(card=props.name, sm=f"{props.major}{props.minor}", path="consumer card (NANOFA2_ADA=1)"
-                if launch.ADA_PATH else "native", torch=torch.__version__, triton=triton.__version__,
+                if launch.ADA_PATH else "native", peak_tflops=card and card.tflops, peak_gb_per_s=card and card.gb_per_s,
+                torch=torch.__version__, triton=triton.__version__,
                 cuda=torch.version.cuda, cudnn=torch.backends.cudnn.version(), python=platform.python_version(),
                 date=time.strftime("%Y-%m-%d"), settings=asdict(config))
 
@@ -455,6 +503,11 @@ def main():
         raise SystemExit("bench.py times GPU kernels: it needs a CUDA GPU")
     os.makedirs(config.out, exist_ok=True)
     print(" ".join(f"{key}={value}" for key, value in environment().items() if key != "settings"))
+    card = this_card()
+    print(f"fractions of peak are of {card.tflops} TFLOP/s and {card.gb_per_s:,} GB/s ({card.source})" if card else
+          f"{torch.cuda.get_device_name()} is not in bench.py's CARDS: no fraction of its peak is shown")
+    if launch.ADA_PATH:
+        print("NANOFA2_ADA=1 takes the consumer card's code path on this card: the fractions are of this card's peak")
     if config.mode == "ladder":
         write("ladder", ladder())
     elif config.mode == "configs":

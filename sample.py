@@ -8,7 +8,8 @@
 trained here knows only its text's GPT-2 tokens, never <|endoftext|>: a prompt with a token it
 never saw is refused, naming it. --kv_cache=True feeds one new token a step, on a GPU from a CUDA
 graph (--compile=True compiles that step). --benchmark=True prints decode tokens/s with and
-without the cache per backend (on the CPU not the Triton ones, unless --attn names one).
+without the cache per backend (on the CPU not the Triton ones, unless --attn names one); for a
+model with fewer kv heads than query heads, also for one with a kv head per query head (G = 1).
 
 Exit status: 0 done; 1 an error stopped it (no usable checkpoint); 2 bad configuration: a
 setting wrong in itself or one that cannot run here (no GPU for --device=cuda, an unreadable
@@ -87,18 +88,26 @@ def can_run(attn, model_args):
 
 
 def benchmark(model_args, state, prompt_ids, device, dtype):
-    """Decode tokens/s of each backend with and without the KV cache. On a GPU an untimed run of
-    the same length goes first (Triton tunes for every context length); on the CPU a few tokens."""
+    """Decode tokens/s of each backend with and without the KV cache, and where the model has
+    grouped-query heads (G query heads a kv head), of the same shape with G = 1 (random weights:
+    the time does not depend on them). On a GPU an untimed run of the same length goes first
+    (Triton tunes for every context length); on the CPU a few tokens."""
     backends = [b for b in BACKENDS if can_run(b, model_args) and (device.type == "cuda" or b not in TRITON_BACKENDS)]
     backends = backends if config.attn == "checkpoint" else [config.attn]
+    models = [(model_args, state)]
+    if model_args.n_kv_head != model_args.n_head:
+        torch.manual_seed(config.seed)
+        one_per_head = replace(model_args, n_kv_head=model_args.n_head)
+        models.append((one_per_head, GPT(one_per_head).state_dict()))
     batch, prompt_len = config.num_samples, prompt_ids.size(1)
     prompt_ids = prompt_ids.expand(batch, -1)
     warmup_tokens = config.max_new_tokens if device.type == "cuda" else min(8, config.max_new_tokens)
     print(f"decode: batch {batch}, {prompt_len}-token prompt, {config.max_new_tokens} new tokens, "
-          f"block_size {model_args.block_size}, {device}, {dtype}" + (", compiled decode step" if config.compile else ""))
-    print(f"{'attn':<12}{'no cache tok/s':>16}{'kv cache tok/s':>16}{'speedup':>9}")
-    for attn in backends:
-        model, precision = build_model(model_args, state, attn, device, dtype, config.compile)
+          f"block_size {model_args.block_size}, {model_args.n_head} query heads, {device}, {dtype}"
+          + (", compiled decode step" if config.compile else ""))
+    print(f"{'attn':<12}{'kv heads':>14}{'no cache tok/s':>16}{'kv cache tok/s':>16}{'speedup':>9}")
+    for attn, (args, weights) in ((attn, m) for attn in backends for m in models):
+        model, precision = build_model(args, weights, attn, device, dtype, config.compile)
         tokens_per_s = []
         for kv_cache in (False, True):
             for new_tokens in (warmup_tokens, config.max_new_tokens):  # the first run warms up, the second is timed
@@ -110,8 +119,9 @@ def benchmark(model_args, state, prompt_ids, device, dtype):
                 synchronize(device)
                 seconds = time.perf_counter() - t0
             tokens_per_s.append(batch * config.max_new_tokens / seconds)
-        print(f"{attn:<12}{tokens_per_s[0]:>16,.1f}{tokens_per_s[1]:>16,.1f}{tokens_per_s[1] / tokens_per_s[0]:>8.2f}x",
-              flush=True)
+        kv_heads = f"{args.n_kv_head} (G = {args.n_head // args.n_kv_head})"
+        print(f"{attn:<12}{kv_heads:>14}{tokens_per_s[0]:>16,.1f}{tokens_per_s[1]:>16,.1f}"
+              f"{tokens_per_s[1] / tokens_per_s[0]:>8.2f}x", flush=True)
 
 
 def load_model_args():

@@ -9,8 +9,11 @@ Which keys a query sees, in every backend:
 - Causal, top-left (as torch's scaled_dot_product_attention): query i sees key j when j <= i,
   both counted from the start of their sequences. With N_q != N_k this is not the decoding
   convention; decode.py's decode_attention handles one new query against a KV cache.
-- A window (left, right), as FlashAttention-2: query i sees keys i - left <= j <= i + right; -1
-  leaves that side unbounded. Causal is right = 0.
+- A window (left, right): query i sees keys i - left <= j <= i + right; -1 leaves that side
+  unbounded. Causal is right = 0. Top-left too: FlashAttention-2 takes the same (left, right)
+  but aligns causal and windows to the bottom-right when N_q != N_k (query i sits at key
+  i + N_k - N_q). Top-left is torch's is_causal, so sdpa agrees with every backend; training has
+  N_q = N_k, where the two are the same.
 - Grouped-query attention: q has H heads, k and v have H_kv, a divisor of H. Query head h reads
   kv head h // (H // H_kv), as sdpa's enable_gqa does; H_kv = 1 is multi-query attention.
 A query that sees no key (a window past the last key, or N_k = 0) gets O = 0, lse = -inf.

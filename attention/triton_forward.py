@@ -36,7 +36,7 @@ def online_softmax_update(acc, l_i, m_i, s, v_tile, qk_scale, MASKED: tl.constex
     if MASKED:  # a row that has seen no key yet: measure against 0, not -inf (exp2(-inf - -inf) is NaN)
         m_shift = tl.where(m_new == float("-inf"), 0.0, m_new)
     p = tl.exp2(s * qk_scale - m_shift[:, None])
-    alpha = tl.exp2(m_i - m_shift)  # how much the old maximum overstated the new one
+    alpha = tl.exp2(m_i - m_shift)  # rescales the sums accumulated against the old maximum to the new one
     l_i = l_i * alpha + tl.sum(p, 1)
     acc = tl.dot(p.to(v_tile.dtype), v_tile, acc * alpha[:, None])
     return acc, l_i, m_new

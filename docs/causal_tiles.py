@@ -6,10 +6,12 @@ An N_q x N_k score matrix in tile_m x tile_n tiles, causal (top) and with a slid
 WINDOW keys (bottom). Left, the forward and dQ: a program walks the key tiles along its query
 tile's row; right, dK/dV: one walks the query tiles down its key tile's column. Each tile is
 full, masked (it crosses the diagonal, the window's edge or the end) or skipped: a mask is a
-bound on the loop. The kinds come from attention/tile_bounds.py, the bounds the kernels use.
+bound on the loop. The kinds come from attention/tile_bounds.py, the bounds the kernels use;
+each panel's count of full, masked and skipped tiles is printed too.
 """
 import argparse
 import sys
+from collections import Counter
 from pathlib import Path
 
 from matplotlib.figure import Figure
@@ -31,12 +33,16 @@ def run(bounds, step):
 
 
 def draw(ax, kind_of, program, title):
-    """kind_of(q_start, k_start) -> kind; program: (q_start, k_start, height, width) to outline."""
+    """kind_of(q_start, k_start) -> kind; program: (q_start, k_start, height, width) to outline.
+    Prints how many tiles are of each kind."""
+    kinds = Counter()
     for q_start in range(0, N_Q, TILE_M):
         for k_start in range(0, N_K, TILE_N):
             height, width = min(TILE_M, N_Q - q_start), min(TILE_N, N_K - k_start)
+            kinds[kind_of(q_start, k_start)] += 1
             ax.add_patch(Rectangle((k_start, q_start), width, height, facecolor=COLOURS[kind_of(q_start, k_start)],
                                    edgecolor="white", linewidth=1))
+    print(f"{title.splitlines()[0] + ':':<50}" + ", ".join(f"{kinds[kind]:3} {kind}" for kind in COLOURS))
     ax.add_patch(Rectangle(program[1::-1], program[3], program[2], fill=False, edgecolor="black", linewidth=2.5))
     ax.plot([0, min(N_Q, N_K)], [0, min(N_Q, N_K)], color="black", linewidth=1, linestyle="--")  # key j = query i
     ax.set(xlim=(0, N_K), ylim=(N_Q, 0), aspect="equal", title=title, xlabel="key j", ylabel="query i")

@@ -44,14 +44,34 @@ def reference(q, k, v, is_causal, do, window_size=(-1, -1)):
     return o, lse, q64.grad, k64.grad, v64.grad
 
 
-def assert_close(actual, expected, tol, what):
-    assert actual.shape == expected.shape, f"{what}: shape {tuple(actual.shape)} != {tuple(expected.shape)}"
-    assert not torch.isnan(actual).any(), f"{what}: NaN"
-    same_inf = (actual.double() == expected) | (actual.isfinite() & expected.isfinite())
-    assert same_inf.all(), f"{what}: infinities where the reference has none, or the other way round"
+def mismatch(actual, expected, tol, what):
+    """Why actual is not the float64 reference within tol (NaN, infinities where it has none or
+    the other way round, the largest error), or None where it is."""
+    if actual.shape != expected.shape:
+        return f"{what}: shape {tuple(actual.shape)} != {tuple(expected.shape)}"
+    if torch.isnan(actual).any():
+        return f"{what}: NaN"
+    if not ((actual.double() == expected) | (actual.isfinite() & expected.isfinite())).all():
+        return f"{what}: infinities where the reference has none, or the other way round"
     finite = expected.isfinite()
     err = (actual.double()[finite] - expected[finite]).abs().max().item() if finite.any() else 0.0
-    assert err <= tol, f"{what}: max abs error {err:.2e} > {tol:.0e}"
+    return f"{what}: max abs error {err:.2e} > {tol:.0e}" if err > tol else None
+
+
+def assert_close(actual, expected, tol, what):
+    problem = mismatch(actual, expected, tol, what)
+    if problem:
+        raise AssertionError(problem)
+
+
+def assert_all_close(checks, tol):
+    """checks: (what, actual, expected) each. All are checked and the failure names every one
+    that is off and every one that is not, so a wrong dK is seen even when dQ is wrong too."""
+    problems = {what: mismatch(actual, expected, tol, what) for what, actual, expected in checks}
+    if any(problems.values()):
+        right = [what for what, problem in problems.items() if problem is None]
+        raise AssertionError("; ".join(filter(None, problems.values()))
+                             + (f"; right within {tol:.0e}: {', '.join(right)}" if right else ""))
 
 
 def check_backend(backend, q, k, v, is_causal, tol, window_size=(-1, -1)):
@@ -61,9 +81,8 @@ def check_backend(backend, q, k, v, is_causal, tol, window_size=(-1, -1)):
     do = torch.randn(o.shape, generator=torch.Generator().manual_seed(o.numel())).to(o)
     o.backward(do)
     o_ref, _, dq_ref, dk_ref, dv_ref = reference(q, k, v, is_causal, do, window_size)
-    assert_close(o, o_ref, tol, f"{backend} O")
-    for name, t, ref in (("dQ", q, dq_ref), ("dK", k, dk_ref), ("dV", v, dv_ref)):
-        assert_close(t.grad, ref, tol, f"{backend} {name}")
+    assert_all_close([(f"{backend} O", o, o_ref), (f"{backend} dQ", q.grad, dq_ref), (f"{backend} dK", k.grad, dk_ref),
+                      (f"{backend} dV", v.grad, dv_ref)], tol)
 
 
 # (q shape, N_k): odd lengths, N_q != N_k both ways, 2- to 5-dim inputs.
@@ -287,8 +306,7 @@ def test_triton_kernels_with_explicit_tiles(block_m, block_n, is_causal, window_
     # The dK/dV job streams query tiles of its own size: here block_n, unlike the dQ job's block_m.
     config = triton.Config({"BLOCK_M": block_m, "BLOCK_N": block_n, "DKDV_BLOCK_M": block_n, "USE_TMA": use_tma})
     dq, dk, dv = flash_backward(q, k, v, o, do, lse, is_causal, window_size, config=config)
-    for name, got, ref in (("dQ", dq, dq_ref), ("dK", dk, dk_ref), ("dV", dv, dv_ref)):
-        assert_close(got, ref, 1e-4, name)
+    assert_all_close([("dQ", dq, dq_ref), ("dK", dk, dk_ref), ("dV", dv, dv_ref)], 1e-4)
 
 
 @pytest.mark.parametrize("backend", ["tiled", "triton", "triton_fwd"])

@@ -51,5 +51,11 @@ def test_backward_gradients(impl, shape_q, n_keys, is_causal):
     IMPLEMENTATIONS[impl].apply(q, k, v, is_causal).backward(do)
     q64, k64, v64 = (t.detach().double().requires_grad_() for t in (q, k, v))
     eager_attention_with_lse(q64, k64, v64, is_causal)[0].backward(do.double())
-    for got, want in ((q.grad, q64.grad), (k.grad, k64.grad), (v.grad, v64.grad)):
-        torch.testing.assert_close(got.double(), want, **TOLERANCE)
+    wrong = {}  # every gradient checked, so a wrong dK shows even when dQ is wrong too
+    for name, got, want in (("dQ", q.grad, q64.grad), ("dK", k.grad, k64.grad), ("dV", v.grad, v64.grad)):
+        try:
+            torch.testing.assert_close(got.double(), want, **TOLERANCE)
+        except AssertionError as e:
+            wrong[name] = str(e).splitlines()[0]
+    assert not wrong, "; ".join(f"{name} wrong: {why}" for name, why in wrong.items()) + \
+        f"; right: {', '.join(name for name in ('dQ', 'dK', 'dV') if name not in wrong) or 'none'}"

@@ -158,12 +158,12 @@ def test_sample_benchmark_prints_a_row_per_backend(trained_out_dir):
                         "--device=cpu")
     assert result.returncode == 0, result.stderr
     lines = result.stdout.splitlines()
-    assert lines[0].startswith("decode: batch 2, 1-token prompt, 2 new tokens, block_size 64, cpu")
-    assert lines[1].split() == ["attn", "no", "cache", "tok/s", "kv", "cache", "tok/s", "speedup"]
+    assert lines[0].startswith("decode: batch 2, 1-token prompt, 2 new tokens, block_size 64, 2 query heads, cpu")
+    assert lines[1].split() == ["attn", "kv", "heads", "no", "cache", "tok/s", "kv", "cache", "tok/s", "speedup"]
     # On the CPU the Triton backends are left out (the interpreter would time numpy, slowly).
     assert [line.split()[0] for line in lines[2:]] == [b for b in BACKENDS if b not in ("triton", "triton_fwd")]
     for line in lines[2:]:
-        _, no_cache, cached, speedup = line.split()
+        no_cache, cached, speedup = line.split()[-3:]
         assert float(no_cache.replace(",", "")) > 0 and float(cached.replace(",", "")) > 0 and speedup.endswith("x")
 
 
@@ -173,5 +173,14 @@ def test_sample_benchmark_of_a_random_model_of_the_gpu_run_shape():
     assert result.returncode == 0, result.stderr
     assert "random-init model" in result.stderr
     lines = result.stdout.splitlines()
-    assert lines[0].startswith("decode: batch 1, 1-token prompt, 2 new tokens, block_size 512, cpu")
-    assert len(lines) == 3 and lines[2].split()[0] == "sdpa"
+    assert lines[0].startswith("decode: batch 1, 1-token prompt, 2 new tokens, block_size 512, 12 query heads, cpu")
+    assert len(lines) == 3 and lines[2].split()[:5] == ["sdpa", "12", "(G", "=", "1)"]
+
+
+def test_sample_benchmark_of_grouped_heads_times_one_kv_head_per_query_head_beside_it():
+    """docs/learn.md's chapter 6 compares a model of 3 kv heads for 12 query heads with G = 1."""
+    result = run_script("sample.py", "--init_from=random", "--n_kv_head=3", "--benchmark=True", "--attn=sdpa",
+                        "--max_new_tokens=2", "--num_samples=1", "--device=cpu")
+    assert result.returncode == 0, result.stderr
+    rows = [line.split()[:5] for line in result.stdout.splitlines()[2:]]
+    assert rows == [["sdpa", "3", "(G", "=", "4)"], ["sdpa", "12", "(G", "=", "1)"]]

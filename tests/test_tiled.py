@@ -14,7 +14,7 @@ from attention.tiled import tiled_forward
 from attention.tiled_backward import tiled_backward
 from attention.triton_tiles import key_tile_bounds as kernel_key_tile_bounds
 from attention.triton_tiles import query_tile_bounds as kernel_query_tile_bounds
-from test_attention import TOLERANCE, assert_close, random_qkv, reference
+from test_attention import TOLERANCE, assert_all_close, random_qkv, reference
 
 import triton  # noqa: E402, I001  (after attention, which decides whether Triton interprets)
 import triton.language as tl  # noqa: E402
@@ -32,10 +32,8 @@ def test_tiled_backward_matches_float64_reference(tile_m, tile_n, shape_q, n_k, 
     do = torch.randn_like(o)
     o.backward(do)
     o_ref, _, dq_ref, dk_ref, dv_ref = reference(q, k, v, is_causal, do, window_size)
-    tol = TOLERANCE[torch.float32]
-    assert_close(o, o_ref, tol, "O")
-    for name, t, ref in (("dQ", q, dq_ref), ("dK", k, dk_ref), ("dV", v, dv_ref)):
-        assert_close(t.grad, ref, tol, name)
+    assert_all_close([("O", o, o_ref), ("dQ", q.grad, dq_ref), ("dK", k.grad, dk_ref), ("dV", v.grad, dv_ref)],
+                     TOLERANCE[torch.float32])
 
 
 @pytest.mark.parametrize("tile_m,tile_n", [(16, 8), (5, 11)])
@@ -49,8 +47,7 @@ def test_tiled_backward_on_strided_views(tile_m, tile_n):
     do = torch.randn(B, T, H, D).transpose(1, 2)
     dq, dk, dv = tiled_backward(q, k, v, o, lse, do, True, (-1, -1), tile_m, tile_n)
     _, _, dq_ref, dk_ref, dv_ref = reference(q, k, v, True, do)
-    for name, got, ref in (("dQ", dq, dq_ref), ("dK", dk, dk_ref), ("dV", dv, dv_ref)):
-        assert_close(got, ref, TOLERANCE[torch.float32], name)
+    assert_all_close([("dQ", dq, dq_ref), ("dK", dk, dk_ref), ("dV", dv, dv_ref)], TOLERANCE[torch.float32])
 
 
 def test_tiled_uses_the_tiled_backward(monkeypatch):

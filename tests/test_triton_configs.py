@@ -6,18 +6,25 @@ Triton compiles for a GPU target without a GPU; the compiler reports the shared 
 kernel allocates. The prune in attention/launch.py keeps a config when its estimate fits; this
 checks the compiler's real number against the limit at the largest head dim and element size
 the estimate lets each config through for. Runs in a subprocess, because the test process runs
-the kernels through the interpreter.
+the kernels through the interpreter; as a script it prints a JSON line per kernel as it compiles:
+
+    python tests/test_triton_configs.py
 """
 import json
 import os
-import subprocess
 import sys
 
-import pytest
+if __name__ == "__main__":  # a script: kernels compiled for GPU targets (never interpreted), the repo importable
+    os.environ["TRITON_INTERPRET"] = "0"
+    os.environ.setdefault("TRITON_DEFAULT_FP_FUSION", "1")
+    sys.path.insert(0, os.path.dirname(os.path.dirname(os.path.abspath(__file__))))
 
-from attention.hopper import backward as hopper_backward
-from attention.hopper import forward as hopper_forward
-from attention.launch import ADA_SHARED_MEMORY_BYTES
+import pytest  # noqa: E402
+
+from attention.hopper import backward as hopper_backward  # noqa: E402
+from attention.hopper import forward as hopper_forward  # noqa: E402
+from attention.launch import ADA_SHARED_MEMORY_BYTES  # noqa: E402
+from conftest import run_script  # noqa: E402
 
 # One worker runs this module, so its module-scoped fixture runs once (see pytest.ini).
 pytestmark = pytest.mark.xdist_group("triton_configs")
@@ -58,14 +65,14 @@ CARDS = {"sm_89": (89, ADA_SHARED_MEMORY_BYTES, False), "sm_90": (90, HOPPER_SHA
 
 
 def measure():
-    """For each card, kernel, config and element size: compile the config at the largest head
-    dim the estimate admits on that card (TMA configs on sm_90 alone) and report the compiler's
-    shared memory. Then the Gluon kernels for sm_90, with their shared memory."""
+    """For each card (sm_89 first), kernel, config and element size: compile the config at the
+    largest head dim the estimate admits on that card (TMA configs on sm_90 alone) and yield the
+    compiler's shared memory, config by config in the lists' order. Then the Gluon kernels for
+    sm_90, with theirs."""
     from attention.launch import shared_memory_bytes
     from attention.triton_backward import BACKWARD_CONFIGS, _attn_bwd, backward_smem_rows
     from attention.triton_forward import FORWARD_CONFIGS, _attn_fwd, forward_smem_rows
 
-    results = []
     for card, (capability, limit, wgmma) in CARDS.items():
         for kernel, configs, smem_rows in ((_attn_fwd.fn, FORWARD_CONFIGS, forward_smem_rows),
                                            (_attn_bwd.fn, BACKWARD_CONFIGS, backward_smem_rows)):
@@ -79,28 +86,29 @@ def measure():
                     constexprs = dict(config.kwargs, HEAD_DIM=max(admitted), BLOCK_D=max(admitted), HEADS_FIRST=True)
                     compiled = compile_for(kernel, element_type, constexprs, capability, config.num_warps,
                                            config.num_stages)
-                    results.append(dict(card=card, kernel=kernel.__name__, config=str(config),
-                                        element_type=element_type, head_dim=max(admitted),
-                                        shared=compiled.metadata.shared))
-    hopper = {}
+                    yield dict(target=card, kernel=kernel.__name__, config=str(config), element_type=element_type,
+                               head_dim=max(admitted), shared=compiled.metadata.shared, limit=limit)
     for module, kernel in ((hopper_forward, hopper_forward._attn_fwd_warp_specialized),
                            (hopper_backward, hopper_backward._attn_bwd_warp_specialized)):
-        hopper[kernel.__name__] = []
         for (head_dim, is_causal), tiles in module.TILES.items():
             compiled = compile_for(kernel, "bf16", dict(tiles, **module.REGISTERS, IS_CAUSAL=is_causal,
                                                         HEAD_DIM=head_dim), 90, 4, 1, gluon=True)
-            hopper[kernel.__name__].append(dict(head_dim=head_dim, is_causal=is_causal,
-                                                shared=compiled.metadata.shared))
-    return dict(configs=results, hopper_gluon=hopper)
+            yield dict(target="sm_90", gluon=True, kernel=kernel.__name__, head_dim=head_dim, is_causal=is_causal,
+                       shared=compiled.metadata.shared, limit=HOPPER_SHARED_MEMORY_BYTES)
 
 
 @pytest.fixture(scope="module")
 def compiled():
-    root = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
-    env = dict(os.environ, TRITON_INTERPRET="0", TRITON_DEFAULT_FP_FUSION="1", PYTHONPATH=root)
-    out = subprocess.run([sys.executable, __file__], env=env, capture_output=True, text=True, timeout=1800, cwd=root)
+    """The script's lines, run as docs/learn.md gives it: {"configs": [each config's builds],
+    "hopper_gluon": {kernel: [its builds]}}."""
+    out = run_script("tests/test_triton_configs.py", timeout=1800)
     assert out.returncode == 0, out.stderr[-3000:]
-    return json.loads(out.stdout.strip().splitlines()[-1])
+    lines = [json.loads(line) for line in out.stdout.splitlines()]
+    hopper = {}
+    for line in lines:
+        if line.get("gluon"):
+            hopper.setdefault(line["kernel"], []).append(line)
+    return dict(configs=[line for line in lines if not line.get("gluon")], hopper_gluon=hopper)
 
 
 @pytest.mark.parametrize("card", CARDS)
@@ -108,7 +116,7 @@ def test_every_config_the_prune_keeps_fits_the_cards_shared_memory(compiled, car
     """At every head dim and element size the estimate admits a config for, on the 4070 Super
     (99 KB) and on Hopper (227 KB, where wgmma keeps one more pipeline stage in shared memory)."""
     _, limit, _ = CARDS[card]
-    results = [r for r in compiled["configs"] if r["card"] == card]
+    results = [r for r in compiled["configs"] if r["target"] == card]
     assert {r["head_dim"] for r in results} >= {64, 128, 256}, "too few configs were compiled"
     too_big = [r for r in results if r["shared"] > limit]
     assert not too_big, f"configs over {card}'s {limit} bytes: {too_big}"
@@ -120,7 +128,7 @@ def test_every_kernel_has_an_ada_config_for_every_head_dim(compiled):
     for kernel in ("_attn_fwd", "_attn_bwd"):
         for element_type in ELEMENT_TYPES:
             dims = {r["head_dim"] for r in compiled["configs"]
-                    if r["card"] == "sm_89" and r["kernel"] == kernel and r["element_type"] == element_type}
+                    if r["target"] == "sm_89" and r["kernel"] == kernel and r["element_type"] == element_type}
             assert dims and max(dims) == 256, f"{kernel} {element_type}: no config admitted at head dim 256"
 
 
@@ -135,4 +143,5 @@ def test_gluon_kernels_compile_for_hopper(compiled, module, kernel):
 
 
 if __name__ == "__main__":
-    print(json.dumps(measure()))
+    for line in measure():
+        print(json.dumps(line), flush=True)

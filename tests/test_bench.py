@@ -1,0 +1,63 @@
+"""bench.py on the CPU, its GPU work replaced by recorders: each rung of the ladder launches its
+own tile config (a closure reading the loop variable late would time the last one at every
+rung), and every TFLOP/s figure is printed beside the fraction of the card's peak it reached."""
+import re
+import sys
+from unittest import mock
+
+import pytest
+import torch
+
+
+@pytest.fixture(scope="module")
+def bench():
+    with mock.patch.object(sys, "argv", ["bench.py"]):  # bench.py reads its settings as it loads
+        import bench
+    return bench
+
+
+# The ladder's shape, B=4, H=16, N=4,096, D=64, causal: 4 * B * H * N^2 * D / 2 FLOP a forward;
+# in 0.25 ms that is 549.8 TFLOP/s, 56% of an H100's 989.4 and 774% of an RTX 4070 Super's 71.
+LADDER_FLOP = 4 * 4 * 16 * 4096 ** 2 * 64 / 2
+
+
+@pytest.fixture
+def recorded_ladder(bench, monkeypatch, capsys):
+    """bench.ladder()'s result, the kernel calls it made (each timed at 0.25 ms) and its printed
+    lines, on a pretend H100."""
+    launched = []
+    inputs = torch.empty(1)
+    monkeypatch.setattr(bench, "make_inputs", lambda shape, requires_grad: (None, inputs, inputs, inputs))
+    monkeypatch.setattr(bench.launch, "has_tma", lambda device: True)
+    monkeypatch.setattr(bench.hopper_forward, "serves", lambda *args: False)
+    monkeypatch.setattr(bench, "flash_forward", lambda q, k, v, causal, config=None: launched.append(config))
+    monkeypatch.setattr(bench, "run_provider", lambda name, q, k, v, causal: launched.append(name))
+    monkeypatch.setattr(bench.triton.testing, "do_bench", lambda fn, **kwargs: fn() or 0.25)
+    monkeypatch.setattr(bench, "this_card", lambda: bench.CARDS["NVIDIA H100 80GB HBM3"])
+    return bench.ladder(), launched, capsys.readouterr().out.splitlines()
+
+
+def test_each_ladder_rung_launches_its_own_config(bench, recorded_ladder):
+    result, launched, _ = recorded_ladder
+    rungs = [(c.kwargs["BLOCK_M"], c.kwargs["BLOCK_N"], c.num_warps, c.num_stages, c.kwargs["USE_TMA"])
+             for c in launched[:len(bench.LADDER)]]
+    assert rungs == [tiles for _, tiles in bench.LADDER]
+    assert launched[len(bench.LADDER):] == [None, *bench.SDPA_BACKENDS]  # the tuner's pick, then sdpa's
+    assert [row["config"] for row in result["steps"][:len(bench.LADDER)]] == list(map(str, launched[:len(bench.LADDER)]))
+
+
+def test_ladder_prints_the_fraction_of_the_cards_peak(recorded_ladder):
+    result, _, lines = recorded_ladder
+    assert len(lines) == len(result["steps"]) and LADDER_FLOP / 0.25e-3 / 1e12 == pytest.approx(549.8, 1e-4)
+    assert all(re.search(r" 0\.250 ms +549\.8 TFLOP/s +56% of peak$", line) for line in lines), lines
+
+
+def test_grid_tables_and_lines_give_the_fraction_of_the_cards_peak(bench, monkeypatch):
+    monkeypatch.setattr(bench, "this_card", lambda: bench.CARDS["NVIDIA GeForce RTX 4070 SUPER"])
+    assert bench.tflops_of_peak(35.5) == "50%" and bench.bandwidth_of_peak(252) == "50%"
+    rows = [dict(grid="paper", provider=p, N=4096, D=64, causal=True, status="ok",
+                 **{m: dict(tflops=tf) for m in bench.MODES}) for p, tf in (("triton", 56.8), ("sdpa_flash", 35.5))]
+    table = bench.grid_tables(rows, ["triton", "sdpa_flash"])
+    assert "| 4096 | 57 (80%) | 36 (50%) | 1.60 | – |" in table and "% of the card's dense 16-bit peak" in table
+    monkeypatch.setattr(bench, "this_card", lambda: None)  # a card not in CARDS: no fraction, never a wrong one
+    assert bench.tflops_of_peak(35.5) == "?"
