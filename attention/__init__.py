@@ -5,7 +5,7 @@
     o = attention(q, k, v, window_size=(256, 0), backend="triton")   # a sliding window
 
 q is (..., H, N_q, D); k and v are (..., H_kv, N_k, D) with the same leading dims, H_kv a
-divisor of H (grouped-query attention; eager.py has the rules, causal and window included); the
+divisor of H (grouped-query attention, eager.py); the mask, causal or a window, is masks.py's; the
 result has q's shape and dtype. Scale 1/sqrt(D). Every backend traces under torch.compile.
 
 Backends:
@@ -16,10 +16,11 @@ Backends:
   sdpa        torch.nn.functional.scaled_dot_product_attention, the peer to beat
 
 Read the files in this order (docs/learn.md walks the same path):
-  eager.py               the definition: softmax(Q K^T / sqrt(D)) V, masks, grouped-query heads
-  tile_bounds.py         which tiles a program visits, and the mask inside a tile
+  eager.py               the definition: softmax(Q K^T / sqrt(D)) V, grouped-query heads
+  masks.py               the window, which tiles a program visits and the mask inside a tile, in
+                         Python, Triton and Gluon
   tiled.py               the tiled forward in PyTorch: the online softmax
-  triton_tiles.py        tile_bounds.py's rules and the tile loads as @triton.jit helpers
+  triton_tiles.py        the tile loads and stores as @triton.jit helpers
   triton_forward.py      the forward kernel
   tiled_backward.py      the tiled backward in PyTorch: delta, a dK/dV pass, a dQ pass
   triton_backward.py     the backward kernels: delta, then both passes in one launch

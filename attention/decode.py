@@ -21,8 +21,9 @@ import math
 import torch
 import torch.nn.functional as F
 
-from .eager import masked_attention_with_lse, window_bounds
+from .eager import masked_attention_with_lse
 from .inputs import BACKENDS, check_inputs, check_tensor, check_triton_inputs
+from .masks import window_bounds
 from .tiled import online_softmax_update
 from .triton_decode import triton_decode_attention
 

@@ -26,11 +26,10 @@ import triton
 import triton.language as tl
 
 from .hopper import backward as hopper_backward
-from .eager import window_bounds
 from .launch import (INTERPRETING, as_4d, autotuned, descriptor_ready, head_dim_block, heads_first, new_like, program_grid,
                      set_tma_scratch_allocator)
-from .triton_tiles import (LOG2_E, head_matrix, key_tile_bounds, load_tile, program_tile_and_head, query_tile_bounds,
-                           query_tile_start, store_tile, visible_in_tile)
+from .masks import key_tile_bounds_tl, query_tile_bounds_tl, visible_in_tile_tl, window_bounds
+from .triton_tiles import LOG2_E, head_matrix, load_tile, program_tile_and_head, query_tile_start, store_tile
 
 
 @triton.jit(do_not_specialize=["N_Q"])
@@ -50,7 +49,7 @@ def _attn_bwd_delta(O, dO, DELTA, stride_ob, stride_oh, stride_on, stride_dob, s
 
 @triton.jit
 def _dkdv_query_tiles(dk, dv, k_tile, v_tile, Q, dO, stride_qn, stride_don, LSE, DELTA, start, end, cols, N_Q, N_K,
-                      LEFT, RIGHT, qk_scale, MASKED: tl.constexpr, HEAD_DIM: tl.constexpr, BLOCK_D: tl.constexpr,
+                      mask, qk_scale, MASKED: tl.constexpr, HEAD_DIM: tl.constexpr, BLOCK_D: tl.constexpr,
                       BLOCK_M: tl.constexpr, USE_TMA: tl.constexpr):
     """Add the contributions of the query tiles from start to end to this K/V tile's dK, dV.
     Everything is transposed (keys along rows) so the accumulators keep the K/V tile's shape."""
@@ -64,7 +63,7 @@ def _dkdv_query_tiles(dk, dv, k_tile, v_tile, Q, dO, stride_qn, stride_don, LSE,
         delta = tl.load(DELTA + rows, mask=rows < N_Q, other=0.0)
         p_t = tl.exp2(tl.dot(k_tile, tl.trans(q_tile)) * qk_scale - lse[None, :])  # P^T, (BLOCK_N, BLOCK_M)
         if MASKED:
-            p_t = tl.where(visible_in_tile(rows[None, :], cols[:, None], N_K, LEFT, RIGHT), p_t, 0.0)
+            p_t = tl.where(visible_in_tile_tl(rows[None, :], cols[:, None], mask), p_t, 0.0)
         dv += tl.dot(p_t.to(do_tile.dtype), do_tile)
         dp_t = tl.dot(v_tile, tl.trans(do_tile))
         ds_t = p_t * (dp_t - delta[None, :])
@@ -73,7 +72,7 @@ def _dkdv_query_tiles(dk, dv, k_tile, v_tile, Q, dO, stride_qn, stride_don, LSE,
 
 
 @triton.jit
-def _dq_key_tiles(dq, q_tile, do_tile, lse, delta, K, V, stride_kn, stride_vn, start, end, rows, N_K, LEFT, RIGHT,
+def _dq_key_tiles(dq, q_tile, do_tile, lse, delta, K, V, stride_kn, stride_vn, start, end, rows, N_K, mask,
                   qk_scale, MASKED: tl.constexpr, HEAD_DIM: tl.constexpr, BLOCK_D: tl.constexpr, BLOCK_N: tl.constexpr,
                   USE_TMA: tl.constexpr):
     """Add the contributions of the key tiles from start to end to this query tile's dQ."""
@@ -83,7 +82,7 @@ def _dq_key_tiles(dq, q_tile, do_tile, lse, delta, K, V, stride_kn, stride_vn, s
         p = tl.exp2(tl.dot(q_tile, tl.trans(k_tile)) * qk_scale - lse[:, None])
         if MASKED:
             cols = tile_start + tl.arange(0, BLOCK_N)
-            p = tl.where(visible_in_tile(rows[:, None], cols[None, :], N_K, LEFT, RIGHT), p, 0.0)
+            p = tl.where(visible_in_tile_tl(rows[:, None], cols[None, :], mask), p, 0.0)
         dp = tl.dot(do_tile, tl.trans(v_tile))
         ds = p * (dp - delta[:, None])
         dq += tl.dot(ds.to(k_tile.dtype), k_tile)
@@ -93,7 +92,7 @@ def _dq_key_tiles(dq, q_tile, do_tile, lse, delta, K, V, stride_kn, stride_vn, s
 @triton.jit
 def _dkdv(Q, K, V, dO, dK, dV, LSE, DELTA, stride_qb, stride_qh, stride_qn, stride_kb, stride_kh, stride_kn,
           stride_vb, stride_vh, stride_vn, stride_dob, stride_doh, stride_don, stride_dkb, stride_dkh, stride_dkn,
-          stride_dvb, stride_dvh, stride_dvn, b, kv_head, start_n, H, GROUP, N_Q, N_K, LEFT, RIGHT, qk_scale, sm_scale,
+          stride_dvb, stride_dvh, stride_dvn, b, kv_head, start_n, H, GROUP, N_Q, N_K, mask, qk_scale, sm_scale,
           HEAD_DIM: tl.constexpr, BLOCK_D: tl.constexpr, BLOCK_N: tl.constexpr, DKDV_BLOCK_M: tl.constexpr,
           USE_TMA: tl.constexpr):
     """The dK/dV job: the key tile from start_n of (b, kv_head)."""
@@ -104,19 +103,19 @@ def _dkdv(Q, K, V, dO, dK, dV, LSE, DELTA, stride_qb, stride_qh, stride_qn, stri
     v_tile = load_tile(V, start_n, N_K, stride_vn, BLOCK_N, HEAD_DIM, BLOCK_D, USE_TMA)
     dk = tl.zeros([BLOCK_N, BLOCK_D], dtype=tl.float32)
     dv = tl.zeros([BLOCK_N, BLOCK_D], dtype=tl.float32)
-    start, full_start, full_end, end = query_tile_bounds(start_n, N_Q, LEFT, RIGHT, DKDV_BLOCK_M, BLOCK_N)
+    start, full_start, full_end, end = query_tile_bounds_tl(start_n, mask, DKDV_BLOCK_M, BLOCK_N)
     for g in range(GROUP):  # a kv head's dK and dV add up the parts of every query head that reads it
         h = kv_head * GROUP + g
         q = head_matrix(Q, b, h, stride_qb, stride_qh, stride_qn, N_Q, HEAD_DIM, DKDV_BLOCK_M, BLOCK_D, USE_TMA)
         do = head_matrix(dO, b, h, stride_dob, stride_doh, stride_don, N_Q, HEAD_DIM, DKDV_BLOCK_M, BLOCK_D, USE_TMA)
         lse, delta = LSE + (b * H + h) * N_Q, DELTA + (b * H + h) * N_Q
         dk, dv = _dkdv_query_tiles(dk, dv, k_tile, v_tile, q, do, stride_qn, stride_don, lse, delta, start, full_start,
-                                   cols, N_Q, N_K, LEFT, RIGHT, qk_scale, True, HEAD_DIM, BLOCK_D, DKDV_BLOCK_M, USE_TMA)
+                                   cols, N_Q, N_K, mask, qk_scale, True, HEAD_DIM, BLOCK_D, DKDV_BLOCK_M, USE_TMA)
         dk, dv = _dkdv_query_tiles(dk, dv, k_tile, v_tile, q, do, stride_qn, stride_don, lse, delta, full_start,
-                                   full_end, cols, N_Q, N_K, LEFT, RIGHT, qk_scale, False, HEAD_DIM, BLOCK_D,
+                                   full_end, cols, N_Q, N_K, mask, qk_scale, False, HEAD_DIM, BLOCK_D,
                                    DKDV_BLOCK_M, USE_TMA)
         dk, dv = _dkdv_query_tiles(dk, dv, k_tile, v_tile, q, do, stride_qn, stride_don, lse, delta, full_end, end,
-                                   cols, N_Q, N_K, LEFT, RIGHT, qk_scale, True, HEAD_DIM, BLOCK_D, DKDV_BLOCK_M, USE_TMA)
+                                   cols, N_Q, N_K, mask, qk_scale, True, HEAD_DIM, BLOCK_D, DKDV_BLOCK_M, USE_TMA)
     dK = head_matrix(dK, b, kv_head, stride_dkb, stride_dkh, stride_dkn, N_K, HEAD_DIM, BLOCK_N, BLOCK_D, USE_TMA)
     dV = head_matrix(dV, b, kv_head, stride_dvb, stride_dvh, stride_dvn, N_K, HEAD_DIM, BLOCK_N, BLOCK_D, USE_TMA)
     store_tile(dK, start_n, N_K, stride_dkn, dk * sm_scale, BLOCK_N, HEAD_DIM, BLOCK_D, USE_TMA)
@@ -126,7 +125,7 @@ def _dkdv(Q, K, V, dO, dK, dV, LSE, DELTA, stride_qb, stride_qh, stride_qn, stri
 @triton.jit
 def _dq(Q, K, V, dO, dQ, LSE, DELTA, stride_qb, stride_qh, stride_qn, stride_kb, stride_kh, stride_kn,
         stride_vb, stride_vh, stride_vn, stride_dob, stride_doh, stride_don, stride_dqb, stride_dqh, stride_dqn,
-        b, h, start_m, H, GROUP, N_Q, N_K, LEFT, RIGHT, qk_scale, sm_scale,
+        b, h, start_m, H, GROUP, N_Q, N_K, mask, qk_scale, sm_scale,
         HEAD_DIM: tl.constexpr, BLOCK_D: tl.constexpr, BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr,
         USE_TMA: tl.constexpr):
     """The dQ job: the query tile from start_m of (b, h), with the forward's schedule."""
@@ -140,13 +139,13 @@ def _dq(Q, K, V, dO, dQ, LSE, DELTA, stride_qb, stride_qh, stride_qn, stride_kb,
     lse = tl.load(LSE + (b * H + h) * N_Q + rows, mask=rows < N_Q, other=float("inf")) * LOG2_E  # base 2
     delta = tl.load(DELTA + (b * H + h) * N_Q + rows, mask=rows < N_Q, other=0.0)
     dq = tl.zeros([BLOCK_M, BLOCK_D], dtype=tl.float32)
-    start, full_start, full_end, end = key_tile_bounds(start_m, N_K, LEFT, RIGHT, BLOCK_M, BLOCK_N)
+    start, full_start, full_end, end = key_tile_bounds_tl(start_m, mask, BLOCK_M, BLOCK_N)
     dq = _dq_key_tiles(dq, q_tile, do_tile, lse, delta, K, V, stride_kn, stride_vn, start, full_start, rows, N_K,
-                       LEFT, RIGHT, qk_scale, True, HEAD_DIM, BLOCK_D, BLOCK_N, USE_TMA)
+                       mask, qk_scale, True, HEAD_DIM, BLOCK_D, BLOCK_N, USE_TMA)
     dq = _dq_key_tiles(dq, q_tile, do_tile, lse, delta, K, V, stride_kn, stride_vn, full_start, full_end, rows, N_K,
-                       LEFT, RIGHT, qk_scale, False, HEAD_DIM, BLOCK_D, BLOCK_N, USE_TMA)
+                       mask, qk_scale, False, HEAD_DIM, BLOCK_D, BLOCK_N, USE_TMA)
     dq = _dq_key_tiles(dq, q_tile, do_tile, lse, delta, K, V, stride_kn, stride_vn, full_end, end, rows, N_K,
-                       LEFT, RIGHT, qk_scale, True, HEAD_DIM, BLOCK_D, BLOCK_N, USE_TMA)
+                       mask, qk_scale, True, HEAD_DIM, BLOCK_D, BLOCK_N, USE_TMA)
     dQ = head_matrix(dQ, b, h, stride_dqb, stride_dqh, stride_dqn, N_Q, HEAD_DIM, BLOCK_M, BLOCK_D, USE_TMA)
     store_tile(dQ, start_m, N_Q, stride_dqn, dq * sm_scale, BLOCK_M, HEAD_DIM, BLOCK_D, USE_TMA)
 
@@ -171,13 +170,13 @@ BACKWARD_CONFIGS = [
 ]
 
 
-@autotuned(BACKWARD_CONFIGS, backward_smem_rows, key=["N_Q", "N_K", "H", "GROUP", "LEFT", "RIGHT", "HEAD_DIM"])
+@autotuned(BACKWARD_CONFIGS, backward_smem_rows, key=["N_Q", "N_K", "H", "GROUP", "left", "right", "HEAD_DIM"])
 @triton.jit
 def _attn_bwd(Q, K, V, dO, dQ, dK, dV, LSE, DELTA,
               stride_qb, stride_qh, stride_qn, stride_kb, stride_kh, stride_kn,
               stride_vb, stride_vh, stride_vn, stride_dob, stride_doh, stride_don,
               stride_dqb, stride_dqh, stride_dqn, stride_dkb, stride_dkh, stride_dkn, stride_dvb, stride_dvh, stride_dvn,
-              H, GROUP, N_Q, N_K, LEFT, RIGHT, qk_scale, sm_scale,
+              H, GROUP, N_Q, N_K, left, right, qk_scale, sm_scale,
               HEAD_DIM: tl.constexpr, BLOCK_D: tl.constexpr, HEADS_FIRST: tl.constexpr,
               BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr, DKDV_BLOCK_M: tl.constexpr, USE_TMA: tl.constexpr):
     """The grid's head axis runs over (batch, kv head); its tile axis over that kv head's key
@@ -186,19 +185,20 @@ def _attn_bwd(Q, K, V, dO, dQ, dK, dV, LSE, DELTA,
     tiles have BLOCK_N rows in both jobs; query tiles BLOCK_M rows where a dQ program holds one,
     DKDV_BLOCK_M where a dK/dV program streams them (each job has its best)."""
     tile, b_kv, tiles = program_tile_and_head(HEADS_FIRST)
+    mask = (N_Q, N_K, left, right)
     b, kv_head = b_kv // (H // GROUP), b_kv % (H // GROUP)
     key_tiles = tl.cdiv(N_K, BLOCK_N)
     if tile < key_tiles:
         _dkdv(Q, K, V, dO, dK, dV, LSE, DELTA, stride_qb, stride_qh, stride_qn, stride_kb, stride_kh, stride_kn,
               stride_vb, stride_vh, stride_vn, stride_dob, stride_doh, stride_don, stride_dkb, stride_dkh, stride_dkn,
-              stride_dvb, stride_dvh, stride_dvn, b, kv_head, tile * BLOCK_N, H, GROUP, N_Q, N_K, LEFT, RIGHT,
+              stride_dvb, stride_dvh, stride_dvn, b, kv_head, tile * BLOCK_N, H, GROUP, N_Q, N_K, mask,
               qk_scale, sm_scale, HEAD_DIM, BLOCK_D, BLOCK_N, DKDV_BLOCK_M, USE_TMA)
     else:
         job = tile - key_tiles
         start_m = query_tile_start(job // GROUP, (tiles - key_tiles) // GROUP, BLOCK_M)
         _dq(Q, K, V, dO, dQ, LSE, DELTA, stride_qb, stride_qh, stride_qn, stride_kb, stride_kh, stride_kn,
             stride_vb, stride_vh, stride_vn, stride_dob, stride_doh, stride_don, stride_dqb, stride_dqh, stride_dqn,
-            b, kv_head * GROUP + job % GROUP, start_m, H, GROUP, N_Q, N_K, LEFT, RIGHT, qk_scale, sm_scale,
+            b, kv_head * GROUP + job % GROUP, start_m, H, GROUP, N_Q, N_K, mask, qk_scale, sm_scale,
             HEAD_DIM, BLOCK_D, BLOCK_M, BLOCK_N, USE_TMA)
 
 

@@ -6,7 +6,7 @@ N_q x N_k score matrix never exists in memory. It writes O and the logsumexp lse
 
 The softmax runs in base 2 (exp2 is one instruction; log2(e) is folded into the scale), so
 m_i is a running max of base-2 logits. A program visits its key tiles in three runs
-(triton_tiles.key_tile_bounds): masked tiles at a window's left edge, full tiles with no mask,
+(masks.key_tile_bounds_tl): masked tiles at a window's left edge, full tiles with no mask,
 masked tiles at the diagonal, a window's right edge or the end of the keys. Tiles no row of the
 query tile sees are never loaded: a causal mask or a window is a bound on the loop.
 Grouped-query heads are an index map: query head h reads kv head h // GROUP.
@@ -18,11 +18,10 @@ import triton
 import triton.language as tl
 
 from .hopper import forward as hopper_forward
-from .eager import window_bounds
 from .launch import (INTERPRETING, as_4d, autotuned, descriptor_ready, head_dim_block, heads_first, new_like, program_grid,
                      set_tma_scratch_allocator)
-from .triton_tiles import (LN_2, LOG2_E, head_matrix, key_tile_bounds, load_tile, program_tile_and_head,
-                           query_tile_start, store_tile, visible_in_tile)
+from .masks import key_tile_bounds_tl, visible_in_tile_tl, window_bounds
+from .triton_tiles import LN_2, LOG2_E, head_matrix, load_tile, program_tile_and_head, query_tile_start, store_tile
 
 
 @triton.jit
@@ -43,7 +42,7 @@ def online_softmax_update(acc, l_i, m_i, s, v_tile, qk_scale, MASKED: tl.constex
 
 
 @triton.jit
-def _key_tiles(acc, l_i, m_i, q_tile, K, V, stride_kn, stride_vn, start, end, rows, N_K, LEFT, RIGHT, qk_scale,
+def _key_tiles(acc, l_i, m_i, q_tile, K, V, stride_kn, stride_vn, start, end, rows, N_K, mask, qk_scale,
                MASKED: tl.constexpr, HEAD_DIM: tl.constexpr, BLOCK_D: tl.constexpr, BLOCK_N: tl.constexpr,
                USE_TMA: tl.constexpr):
     """The online-softmax update over the key tiles from start to end."""
@@ -52,7 +51,7 @@ def _key_tiles(acc, l_i, m_i, q_tile, K, V, stride_kn, stride_vn, start, end, ro
         s = tl.dot(q_tile, tl.trans(k_tile))  # raw scores, (BLOCK_M, BLOCK_N)
         if MASKED:
             cols = tile_start + tl.arange(0, BLOCK_N)
-            s = tl.where(visible_in_tile(rows[:, None], cols[None, :], N_K, LEFT, RIGHT), s, float("-inf"))
+            s = tl.where(visible_in_tile_tl(rows[:, None], cols[None, :], mask), s, float("-inf"))
         v_tile = load_tile(V, tile_start, N_K, stride_vn, BLOCK_N, HEAD_DIM, BLOCK_D, USE_TMA)
         acc, l_i, m_i = online_softmax_update(acc, l_i, m_i, s, v_tile, qk_scale, MASKED)
     return acc, l_i, m_i
@@ -76,12 +75,12 @@ FORWARD_CONFIGS = [
 ]
 
 
-@autotuned(FORWARD_CONFIGS, forward_smem_rows, key=["N_Q", "N_K", "H", "LEFT", "RIGHT", "HEAD_DIM"])
+@autotuned(FORWARD_CONFIGS, forward_smem_rows, key=["N_Q", "N_K", "H", "left", "right", "HEAD_DIM"])
 @triton.jit(do_not_specialize=["N_Q", "N_K"])
 def _attn_fwd(Q, K, V, O, LSE,
               stride_qb, stride_qh, stride_qn, stride_kb, stride_kh, stride_kn,
               stride_vb, stride_vh, stride_vn, stride_ob, stride_oh, stride_on,
-              H, GROUP, N_Q, N_K, LEFT, RIGHT, qk_scale,
+              H, GROUP, N_Q, N_K, left, right, qk_scale,
               HEAD_DIM: tl.constexpr, BLOCK_D: tl.constexpr, HEADS_FIRST: tl.constexpr,
               BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr, USE_TMA: tl.constexpr):
     tile, bh, tiles = program_tile_and_head(HEADS_FIRST)
@@ -98,13 +97,14 @@ def _attn_fwd(Q, K, V, O, LSE,
     acc = tl.zeros([BLOCK_M, BLOCK_D], dtype=tl.float32)
     q_tile = load_tile(Q, start_m, N_Q, stride_qn, BLOCK_M, HEAD_DIM, BLOCK_D, USE_TMA)
 
-    start, full_start, full_end, end = key_tile_bounds(start_m, N_K, LEFT, RIGHT, BLOCK_M, BLOCK_N)
+    mask = (N_Q, N_K, left, right)
+    start, full_start, full_end, end = key_tile_bounds_tl(start_m, mask, BLOCK_M, BLOCK_N)
     acc, l_i, m_i = _key_tiles(acc, l_i, m_i, q_tile, K, V, stride_kn, stride_vn, start, full_start, rows, N_K,
-                               LEFT, RIGHT, qk_scale, True, HEAD_DIM, BLOCK_D, BLOCK_N, USE_TMA)
+                               mask, qk_scale, True, HEAD_DIM, BLOCK_D, BLOCK_N, USE_TMA)
     acc, l_i, m_i = _key_tiles(acc, l_i, m_i, q_tile, K, V, stride_kn, stride_vn, full_start, full_end, rows, N_K,
-                               LEFT, RIGHT, qk_scale, False, HEAD_DIM, BLOCK_D, BLOCK_N, USE_TMA)
+                               mask, qk_scale, False, HEAD_DIM, BLOCK_D, BLOCK_N, USE_TMA)
     acc, l_i, m_i = _key_tiles(acc, l_i, m_i, q_tile, K, V, stride_kn, stride_vn, full_end, end, rows, N_K,
-                               LEFT, RIGHT, qk_scale, True, HEAD_DIM, BLOCK_D, BLOCK_N, USE_TMA)
+                               mask, qk_scale, True, HEAD_DIM, BLOCK_D, BLOCK_N, USE_TMA)
 
     # Normalise once, at the end. A row that saw no key keeps l_i = 0: O = 0, lse = -inf.
     l_safe = tl.where(l_i == 0.0, 1.0, l_i)

@@ -8,11 +8,12 @@ import pytest
 import torch
 
 from attention import BACKENDS, FlashAttentionPytorch, FlashAttentionTriton, attention, launch
-from attention.eager import UNBOUNDED, eager_attention_with_lse
+from attention.eager import eager_attention_with_lse
 from attention.hopper import backward as hopper_backward
 from attention.hopper import common as hopper_common
 from attention.hopper import forward as hopper_forward
 from attention.launch import descriptor_ready, fitting_configs, shared_memory_bytes
+from attention.masks import UNBOUNDED
 from attention.tiled import tiled_forward
 from attention.triton_backward import BACKWARD_CONFIGS, backward_smem_rows, flash_backward
 from attention.triton_forward import FORWARD_CONFIGS, flash_forward, forward_smem_rows

@@ -247,7 +247,7 @@ def test_an_unknown_decode_backend_is_named():
 def test_the_triton_decode_operator_passes_opcheck(left):
     # opcheck also checks that the schema declares every input the operator writes: the caches.
     # The operator takes the window's left side as the kernel does: unbounded is a large int.
-    from attention.eager import window_bounds
+    from attention.masks import window_bounds
     q, k, v, k_cache, v_cache = decode_inputs(2, 4, 2, 19, 16)
     torch.library.opcheck(torch.ops.nanofa2.decode_attention.default,
                           (q, k, v, k_cache, v_cache, torch.tensor([7]), window_bounds(False, (left, 0))[0]))

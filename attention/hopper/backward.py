@@ -39,9 +39,9 @@ from triton.experimental.gluon.language.nvidia.hopper import (fence_async_shared
                                                              warpgroup_mma_wait)
 
 from ..launch import GRID_Y_LIMIT, set_tma_scratch_allocator
+from ..masks import query_tile_counts_gl
 from ..triton_tiles import LOG2_E
-from .common import (hopper_entry, load_into_ring, query_tile_counts, ring_slot, tensor_matrices, tma_load,
-                     tma_store)
+from .common import hopper_entry, load_into_ring, ring_slot, tensor_matrices, tma_load, tma_store
 
 # The (head dim, causal) calls this kernel measured faster on, and its constants for each:
 # BLOCK_N keys per MMA warpgroup (the program's key tile is twice that), BLOCK_M query rows per
@@ -100,7 +100,7 @@ def _load_partition(Q, K, V, dO, k_smem, v_smem, q_bufs, do_bufs, k_ready, v_rea
         mbarrier.expect(v_ready.index(half), V.block_type.nbytes)
         tma_load(V, [b, h, start_n + half * BLOCK_N, 0], v_ready.index(half),
                  v_smem.slice(half * BLOCK_N, BLOCK_N, dim=2))
-    first, _, last = query_tile_counts(start_n, N_Q, IS_CAUSAL, BLOCK_M, 2 * BLOCK_N)
+    first, _, last = query_tile_counts_gl(start_n, N_Q, IS_CAUSAL, BLOCK_M, 2 * BLOCK_N)
     for i in range(0, last - first):
         load_into_ring(Q, dO, q_bufs, do_bufs, q_ready, do_ready, qdo_empty, i, b, h, (last - 1 - i) * BLOCK_M)
 
@@ -143,7 +143,9 @@ def _query_tiles(dk, dv, k_tile, v_tile, k_cols, q_bufs, do_bufs, ds_smem, dq_sm
         s_t = warpgroup_mma_wait(num_outstanding=1, deps=(s_t,))  # they retire in order: S^T is done
         lse = gl.convert_layout(lse_rows, gl.SliceLayout(0, s_layout)) * LOG2_E
         p_t = gl.exp2(s_t * qk_scale - lse[None, :])
-        if MASKED:  # causal, a tile that crosses the diagonal: row i sees key j iff j <= i
+        # Causal, a tile that crosses the diagonal: masks.visible_in_tile_gl's diagonal alone, as a
+        # key past N_K needs no mask here (a zero row of K and V; its dK and dV are never stored).
+        if MASKED:
             cols = m * BLOCK_M + gl.arange(0, BLOCK_M, layout=gl.SliceLayout(0, s_layout))
             p_t = gl.where(keys[:, None] <= cols[None, :], p_t, 0.0)
         delta = gl.convert_layout(delta_rows, gl.SliceLayout(0, s_layout))
@@ -199,7 +201,7 @@ def _mma_partition(dK, dV, LSE, DQ, DELTA, k_smem, v_smem, q_bufs, do_bufs, ds_s
     k_tile = k_all.slice(HALF * BLOCK_N, BLOCK_N, dim=0)
     v_tile = v_smem.reshape([2 * BLOCK_N, HEAD_DIM]).slice(HALF * BLOCK_N, BLOCK_N, dim=0)
     k_cols = k_all.slice(HALF * (HEAD_DIM // 2), HEAD_DIM // 2, dim=1)  # dQ's product: both halves' keys
-    first, unmasked, last = query_tile_counts(start_n, N_Q, IS_CAUSAL, BLOCK_M, 2 * BLOCK_N)
+    first, unmasked, last = query_tile_counts_gl(start_n, N_Q, IS_CAUSAL, BLOCK_M, 2 * BLOCK_N)
     dk = gl.zeros([BLOCK_N, HEAD_DIM], gl.float32, acc_layout)
     dv = gl.zeros([BLOCK_N, HEAD_DIM], gl.float32, acc_layout)
     mbarrier.wait(k_ready.index(0), 0)  # each is used once: phase 0

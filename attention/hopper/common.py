@@ -1,6 +1,6 @@
 """What the two Hopper kernels share: when they serve a call, their TMA descriptors over whole
-(B, H, N, D) tensors, the ring of shared-memory slots a loader fills, and the causal tile rules
-in Gluon (tile_bounds.py's, for the two masks these kernels take: causal and none)."""
+(B, H, N, D) tensors, and the ring of shared-memory slots a loader fills. Their tile rules, for
+the two masks they take (causal and none), are masks.py's."""
 import functools
 
 import torch
@@ -8,8 +8,8 @@ from triton.experimental import gluon
 from triton.experimental.gluon import language as gl
 from triton.experimental.gluon.language.nvidia.hopper import mbarrier, tma
 
-from ..eager import UNBOUNDED
 from ..launch import ADA_PATH, INTERPRETING
+from ..masks import UNBOUNDED
 
 # The TMA copies are named async_copy_global_to_shared / async_copy_shared_to_global in Triton 3.6
 # and async_load / async_store in later releases.
@@ -49,44 +49,6 @@ def tensor_matrices(T, B, H, N, stride_b, stride_h, stride_n, BLOCK: gl.constexp
     layout: gl.constexpr = gl.NVMMASharedLayout.get_default_for([1, 1, BLOCK, HEAD_DIM], T.dtype.element_ty)
     return tma.make_tensor_descriptor(T, shape=[B, H, N, HEAD_DIM], strides=[stride_b, stride_h, stride_n, 1],
                                       block_shape=[1, 1, BLOCK, HEAD_DIM], layout=layout)
-
-
-@gluon.jit
-def key_tile_counts(start_m, N_K, IS_CAUSAL: gl.constexpr, ROWS: gl.constexpr, BLOCK_N: gl.constexpr):
-    """tile_bounds.key_tile_bounds in tiles, causal or not: of the key tiles the query tile of
-    ROWS rows from start_m visits, [0, n_full) need no mask for any of its rows, [n_full,
-    n_tiles) do (the diagonal, the end of the keys)."""
-    n_full = N_K // BLOCK_N
-    end = N_K
-    if IS_CAUSAL:
-        n_full = gl.minimum(n_full, (start_m + 1) // BLOCK_N)
-        end = gl.minimum(start_m + ROWS, N_K)
-    return n_full, gl.cdiv(end, BLOCK_N)
-
-
-@gluon.jit
-def query_tile_counts(start_n, N_Q, IS_CAUSAL: gl.constexpr, BLOCK_M: gl.constexpr, KEY_ROWS: gl.constexpr):
-    """tile_bounds.query_tile_bounds in tiles, causal or not: the key tile of KEY_ROWS keys from
-    start_n is seen by query tiles [first, last), of which [first, masked_end) cross the
-    diagonal. first <= masked_end <= last always: causal, a key tile past the last query gets
-    first = last, no tiles, which the backward's mbarrier phases count on."""
-    last = gl.cdiv(N_Q, BLOCK_M)
-    first = 0
-    masked_end = 0
-    if IS_CAUSAL:
-        first = gl.minimum(start_n // BLOCK_M, last)
-        masked_end = gl.minimum(gl.cdiv(start_n + KEY_ROWS - 1, BLOCK_M), last)
-    return first, masked_end, last
-
-
-@gluon.jit
-def visible(rows, cols, N_K, IS_CAUSAL: gl.constexpr):
-    """tile_bounds.visible_in_tile for the two masks: the key lies before N_K and, causal, not
-    after the query."""
-    seen = cols < N_K
-    if IS_CAUSAL:
-        seen = seen & (cols <= rows)
-    return seen
 
 
 @gluon.jit

@@ -30,9 +30,9 @@ from triton.experimental.gluon.language.nvidia.hopper import (fence_async_shared
                                                              warpgroup_mma_wait)
 
 from ..launch import set_tma_scratch_allocator
+from ..masks import key_tile_counts_gl, visible_in_tile_gl
 from ..triton_tiles import LN_2, LOG2_E
-from .common import (hopper_entry, key_tile_counts, load_into_ring, ring_slot, sm_count, tensor_matrices, tma_load,
-                     tma_store, visible)
+from .common import hopper_entry, load_into_ring, ring_slot, sm_count, tensor_matrices, tma_load, tma_store
 
 # The (head dim, causal) calls this kernel measured faster on, and its constants for each:
 # BLOCK_M query rows per softmax partition, BLOCK_N keys per tile, STAGES ring slots, and
@@ -83,7 +83,7 @@ def _load_query_tile(Q, K, V, q_smem, k_bufs, v_bufs, q_ready, q_empty, k_ready,
     j's K and V into ring slot ring % STAGES."""
     BLOCK_M: gl.constexpr = q_smem.shape[3]
     BLOCK_N: gl.constexpr = k_bufs.shape[3]
-    _, n_tiles = key_tile_counts(start_m, N_K, IS_CAUSAL, 2 * BLOCK_M, BLOCK_N)
+    _, n_tiles = key_tile_counts_gl(start_m, N_K, IS_CAUSAL, 2 * BLOCK_M, BLOCK_N)
     for half in gl.static_range(2):
         q_buf, q_phase = _q_buffer(tiles_done, half)
         # The first wait on an "empty" barrier passes at once, as in _load_into_ring.
@@ -147,7 +147,7 @@ def _key_tiles(acc, l_i, m_i, s, q_tile, k_bufs, v_bufs, k_ready, v_ready, kv_em
             s = warpgroup_mma_wait(num_outstanding=0, deps=(s,))
         if MASKED:  # keys past N_K, and after the row's own when causal
             cols = j * BLOCK_N + gl.arange(0, BLOCK_N, layout=gl.SliceLayout(0, s_layout))
-            s = gl.where(visible(rows[:, None], cols[None, :], N_K, IS_CAUSAL), s, float("-inf"))
+            s = gl.where(visible_in_tile_gl(rows[:, None], cols[None, :], N_K, IS_CAUSAL), s, float("-inf"))
         m_new = gl.maximum(m_i, gl.max(s, 1) * qk_scale)  # running max of base-2 logits
         p = gl.exp2(s * qk_scale - m_new[:, None])
         alpha = gl.exp2(m_i - m_new)
@@ -179,7 +179,7 @@ def _softmax_query_tile(O, LSE, q_smem, o_smem, k_bufs, v_bufs, q_ready, q_empty
                                                        instr_shape=[16, BLOCK_N, 16])
     o_layout: gl.constexpr = gl.NVMMADistributedLayout(version=[3, 0], warps_per_cta=[4, 1],
                                                        instr_shape=[16, HEAD_DIM, 16])
-    n_unmasked, n_tiles = key_tile_counts(start_m, N_K, IS_CAUSAL, 2 * BLOCK_M, BLOCK_N)
+    n_unmasked, n_tiles = key_tile_counts_gl(start_m, N_K, IS_CAUSAL, 2 * BLOCK_M, BLOCK_N)
     row_start = start_m + HALF * BLOCK_M
     rows = row_start + gl.arange(0, BLOCK_M, layout=gl.SliceLayout(1, s_layout))
     m_i = gl.full([BLOCK_M], float("-inf"), gl.float32, gl.SliceLayout(1, s_layout))
