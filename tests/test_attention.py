@@ -329,7 +329,7 @@ def test_custom_ops_pass_opcheck():
     model's strided views (grouped, windowed) and on contiguous tensors."""
     leaf = torch.randn(1, 17, 8, 16)
     views = leaf.transpose(1, 2).split([4, 2, 2], dim=1)
-    for (q, k, v), mask in ((views, (True, 3, 0)), ([t.contiguous() for t in views], (False, -1, -1))):
+    for (q, k, v), mask in ((views, (True, [3, 0])), ([t.contiguous() for t in views], (False, [-1, -1]))):
         torch.library.opcheck(torch.ops.nanofa2.flash_forward, (q, k, v, *mask))
         o, lse = torch.ops.nanofa2.flash_forward(q, k, v, *mask)
         torch.library.opcheck(torch.ops.nanofa2.flash_backward, (q, k, v, o, torch.randn_like(o), lse, *mask))
