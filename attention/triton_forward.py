@@ -42,18 +42,21 @@ def online_softmax_update(acc, l_i, m_i, s, v_tile, qk_scale, MASKED: tl.constex
 
 
 @triton.jit
-def _key_tiles(acc, l_i, m_i, q_tile, K, V, stride_kn, stride_vn, start, end, rows, N_K, mask, qk_scale,
-               MASKED: tl.constexpr, HEAD_DIM: tl.constexpr, BLOCK_D: tl.constexpr, BLOCK_N: tl.constexpr,
-               USE_TMA: tl.constexpr):
-    """The online-softmax update over the key tiles from start to end."""
-    for tile_start in range(start, end, BLOCK_N):
-        k_tile = load_tile(K, tile_start, N_K, stride_kn, BLOCK_N, HEAD_DIM, BLOCK_D, USE_TMA)
-        s = tl.dot(q_tile, tl.trans(k_tile))  # raw scores, (BLOCK_M, BLOCK_N)
-        if MASKED:
-            cols = tile_start + tl.arange(0, BLOCK_N)
-            s = tl.where(visible_in_tile_tl(rows[:, None], cols[None, :], mask), s, float("-inf"))
-        v_tile = load_tile(V, tile_start, N_K, stride_vn, BLOCK_N, HEAD_DIM, BLOCK_D, USE_TMA)
-        acc, l_i, m_i = online_softmax_update(acc, l_i, m_i, s, v_tile, qk_scale, MASKED)
+def _key_tiles(acc, l_i, m_i, q_tile, rows, k_head, v_head, bounds, mask, qk_scale,
+               HEAD_DIM: tl.constexpr, BLOCK_N: tl.constexpr, USE_TMA: tl.constexpr):
+    """The online-softmax update of query rows `rows` over the key tiles of bounds, (start,
+    full_start, full_end, end): a masked run, a full run, a masked run. The run is a compile-time
+    constant (static_range), so the full one compiles with no mask at all."""
+    BLOCK_D: tl.constexpr = q_tile.shape[1]
+    for run in tl.static_range(3):  # masked, full, masked
+        for tile_start in range(bounds[run], bounds[run + 1], BLOCK_N):
+            k_tile = load_tile(k_head, tile_start, BLOCK_N, HEAD_DIM, BLOCK_D, USE_TMA)
+            s = tl.dot(q_tile, tl.trans(k_tile))  # raw scores, (BLOCK_M, BLOCK_N)
+            if run != 1:
+                cols = tile_start + tl.arange(0, BLOCK_N)
+                s = tl.where(visible_in_tile_tl(rows[:, None], cols[None, :], mask), s, float("-inf"))
+            v_tile = load_tile(v_head, tile_start, BLOCK_N, HEAD_DIM, BLOCK_D, USE_TMA)
+            acc, l_i, m_i = online_softmax_update(acc, l_i, m_i, s, v_tile, qk_scale, run != 1)
     return acc, l_i, m_i
 
 
@@ -83,32 +86,29 @@ def _attn_fwd(Q, K, V, O, LSE,
               H, GROUP, N_Q, N_K, left, right, qk_scale,
               HEAD_DIM: tl.constexpr, BLOCK_D: tl.constexpr, HEADS_FIRST: tl.constexpr,
               BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr, USE_TMA: tl.constexpr):
+    """One program: the query tile from start_m of (batch b, head h), against kv head h // GROUP."""
     tile, bh, tiles = program_tile_and_head(HEADS_FIRST)
     start_m = query_tile_start(tile, tiles, BLOCK_M)
     b, h = bh // H, bh % H
-    Q = head_matrix(Q, b, h, stride_qb, stride_qh, stride_qn, N_Q, HEAD_DIM, BLOCK_M, BLOCK_D, USE_TMA)
-    O = head_matrix(O, b, h, stride_ob, stride_oh, stride_on, N_Q, HEAD_DIM, BLOCK_M, BLOCK_D, USE_TMA)
-    K = head_matrix(K, b, h // GROUP, stride_kb, stride_kh, stride_kn, N_K, HEAD_DIM, BLOCK_N, BLOCK_D, USE_TMA)
-    V = head_matrix(V, b, h // GROUP, stride_vb, stride_vh, stride_vn, N_K, HEAD_DIM, BLOCK_N, BLOCK_D, USE_TMA)
+    q_head = head_matrix(Q, b, h, stride_qb, stride_qh, stride_qn, N_Q, HEAD_DIM, BLOCK_M, BLOCK_D, USE_TMA)
+    o_head = head_matrix(O, b, h, stride_ob, stride_oh, stride_on, N_Q, HEAD_DIM, BLOCK_M, BLOCK_D, USE_TMA)
+    k_head = head_matrix(K, b, h // GROUP, stride_kb, stride_kh, stride_kn, N_K, HEAD_DIM, BLOCK_N, BLOCK_D, USE_TMA)
+    v_head = head_matrix(V, b, h // GROUP, stride_vb, stride_vh, stride_vn, N_K, HEAD_DIM, BLOCK_N, BLOCK_D, USE_TMA)
 
     rows = start_m + tl.arange(0, BLOCK_M)
     m_i = tl.full([BLOCK_M], float("-inf"), dtype=tl.float32)
     l_i = tl.zeros([BLOCK_M], dtype=tl.float32)
     acc = tl.zeros([BLOCK_M, BLOCK_D], dtype=tl.float32)
-    q_tile = load_tile(Q, start_m, N_Q, stride_qn, BLOCK_M, HEAD_DIM, BLOCK_D, USE_TMA)
+    q_tile = load_tile(q_head, start_m, BLOCK_M, HEAD_DIM, BLOCK_D, USE_TMA)
 
     mask = (N_Q, N_K, left, right)
-    start, full_start, full_end, end = key_tile_bounds_tl(start_m, mask, BLOCK_M, BLOCK_N)
-    acc, l_i, m_i = _key_tiles(acc, l_i, m_i, q_tile, K, V, stride_kn, stride_vn, start, full_start, rows, N_K,
-                               mask, qk_scale, True, HEAD_DIM, BLOCK_D, BLOCK_N, USE_TMA)
-    acc, l_i, m_i = _key_tiles(acc, l_i, m_i, q_tile, K, V, stride_kn, stride_vn, full_start, full_end, rows, N_K,
-                               mask, qk_scale, False, HEAD_DIM, BLOCK_D, BLOCK_N, USE_TMA)
-    acc, l_i, m_i = _key_tiles(acc, l_i, m_i, q_tile, K, V, stride_kn, stride_vn, full_end, end, rows, N_K,
-                               mask, qk_scale, True, HEAD_DIM, BLOCK_D, BLOCK_N, USE_TMA)
+    bounds = key_tile_bounds_tl(start_m, mask, BLOCK_M, BLOCK_N)
+    acc, l_i, m_i = _key_tiles(acc, l_i, m_i, q_tile, rows, k_head, v_head, bounds, mask, qk_scale, HEAD_DIM, BLOCK_N,
+                               USE_TMA)
 
     # Normalise once, at the end. A row that saw no key keeps l_i = 0: O = 0, lse = -inf.
     l_safe = tl.where(l_i == 0.0, 1.0, l_i)
-    store_tile(O, start_m, N_Q, stride_on, acc / l_safe[:, None], BLOCK_M, HEAD_DIM, BLOCK_D, USE_TMA)
+    store_tile(o_head, start_m, acc / l_safe[:, None], BLOCK_M, HEAD_DIM, BLOCK_D, USE_TMA)
     lse = tl.where(l_i == 0.0, float("-inf"), (m_i + tl.log2(l_safe)) * LN_2)  # back to natural log
     tl.store(LSE + bh * N_Q + rows, lse, mask=rows < N_Q)
 

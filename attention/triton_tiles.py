@@ -36,15 +36,18 @@ def query_tile_start(program, n_programs, BLOCK_M: tl.constexpr):
 @triton.jit
 def head_matrix(T, b, h, stride_b, stride_h, stride_n, N,
                 HEAD_DIM: tl.constexpr, BLOCK: tl.constexpr, BLOCK_D: tl.constexpr, USE_TMA: tl.constexpr):
-    """The (N, HEAD_DIM) matrix of batch b, head h, read and written in (BLOCK, BLOCK_D) tiles
-    through its strides: the model's q, k, v are strided views of one fused projection and are
+    """The (N, HEAD_DIM) matrix of batch b, head h, read and written in (BLOCK, BLOCK_D) tiles:
+    T offset once to the head (in 64 bits), and its rows' stride, so that a kernel's helpers take
+    one value per tensor. The model's q, k, v are strided views of one fused projection and are
     never copied. On Hopper it is a TMA tensor descriptor (the copy engine moves whole tiles and
-    checks bounds in hardware); elsewhere the base pointer for load_tile's masked loads, which
-    Triton pipelines with cp.async."""
-    matrix = T + b.to(tl.int64) * stride_b + h.to(tl.int64) * stride_h
-    if USE_TMA:  # (one return: compiled Triton wants one return type, whichever branch is taken)
-        matrix = tl.make_tensor_descriptor(matrix, shape=[N, HEAD_DIM], strides=[stride_n, 1],
+    checks bounds in hardware); elsewhere (the head's first element, its row stride, its rows)
+    for load_tile's masked loads, which Triton pipelines with cp.async."""
+    base = T + b.to(tl.int64) * stride_b + h.to(tl.int64) * stride_h
+    if USE_TMA:
+        matrix = tl.make_tensor_descriptor(base, shape=[N, HEAD_DIM], strides=[stride_n, 1],
                                            block_shape=[BLOCK, BLOCK_D])
+    else:
+        matrix = (base, stride_n, N)
     return matrix
 
 
@@ -59,25 +62,27 @@ def in_bounds(rows, N, HEAD_DIM: tl.constexpr, BLOCK_D: tl.constexpr):
 
 
 @triton.jit
-def load_tile(matrix, start, N, stride_n, BLOCK: tl.constexpr, HEAD_DIM: tl.constexpr, BLOCK_D: tl.constexpr,
+def load_tile(matrix, start, BLOCK: tl.constexpr, HEAD_DIM: tl.constexpr, BLOCK_D: tl.constexpr,
               USE_TMA: tl.constexpr):
-    """Rows [start, start + BLOCK) of a head matrix; rows past N and padded columns read as zeros."""
+    """Rows [start, start + BLOCK) of a head matrix; rows past its end and padded columns read as zeros."""
     if USE_TMA:
         tile = matrix.load([start, 0])
     else:
+        base, stride_n, N = matrix
         rows = start + tl.arange(0, BLOCK)
-        tile = tl.load(matrix + rows[:, None] * stride_n + tl.arange(0, BLOCK_D)[None, :],
+        tile = tl.load(base + rows[:, None] * stride_n + tl.arange(0, BLOCK_D)[None, :],
                        mask=in_bounds(rows, N, HEAD_DIM, BLOCK_D), other=0.0)
     return tile
 
 
 @triton.jit
-def store_tile(matrix, start, N, stride_n, tile, BLOCK: tl.constexpr, HEAD_DIM: tl.constexpr, BLOCK_D: tl.constexpr,
+def store_tile(matrix, start, tile, BLOCK: tl.constexpr, HEAD_DIM: tl.constexpr, BLOCK_D: tl.constexpr,
                USE_TMA: tl.constexpr):
-    """Write rows [start, start + BLOCK) of a head matrix; rows past N and padded columns are dropped."""
+    """Write rows [start, start + BLOCK) of a head matrix; rows past its end and padded columns are dropped."""
     if USE_TMA:
         matrix.store([start, 0], tile.to(matrix.dtype))
     else:
+        base, stride_n, N = matrix
         rows = start + tl.arange(0, BLOCK)
-        tl.store(matrix + rows[:, None] * stride_n + tl.arange(0, BLOCK_D)[None, :],
-                 tile.to(matrix.dtype.element_ty), mask=in_bounds(rows, N, HEAD_DIM, BLOCK_D))
+        tl.store(base + rows[:, None] * stride_n + tl.arange(0, BLOCK_D)[None, :],
+                 tile.to(base.dtype.element_ty), mask=in_bounds(rows, N, HEAD_DIM, BLOCK_D))

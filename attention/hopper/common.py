@@ -60,11 +60,12 @@ def ring_slot(index, STAGES: gl.constexpr):
 
 
 @gluon.jit
-def load_into_ring(X, Y, x_bufs, y_bufs, x_ready, y_ready, empty, index, b, h, row):
-    """A loader's step in a ring of two tensors' tiles (the forward's K and V, the backward's Q
-    and dO): the program's tile number `index`, rows from `row` of batch-head (b, h) of X and of
-    Y, into ring slot index % STAGES once the consumers have let go of it (mbarrier empty), each
-    copy arriving on its own ready mbarrier."""
+def load_into_ring(X, Y, ring, index, b, h, row):
+    """A loader's step in a ring of two tensors' tiles, ring = (x_bufs, y_bufs, x_ready, y_ready,
+    empty) (the forward's K and V, the backward's Q and dO): the program's tile number `index`,
+    rows from `row` of batch-head (b, h) of X and of Y, into ring slot index % STAGES once the
+    consumers have let go of it (mbarrier empty), each copy arriving on its own ready mbarrier."""
+    x_bufs, y_bufs, x_ready, y_ready, empty = ring
     STAGES: gl.constexpr = x_bufs.shape[0]
     slot, phase = ring_slot(index, STAGES)
     # An mbarrier's phase flips each time it completes; waiting on the phase before the first
