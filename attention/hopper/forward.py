@@ -128,6 +128,21 @@ def _issue_scores(q_tile, kv_ring, index, no_scores):
 
 
 @gluon.jit
+def online_softmax_update(acc, l_i, m_i, s, qk_scale):
+    """triton_forward.online_softmax_update up to its product P V, which the caller issues on
+    the tensor cores (asynchronously): fold one tile of raw scores s into the running max m_i
+    (base-2 logits) and sum l_i, rescale acc to the new max, and return P with the three. The
+    Triton update's guard for a row that has seen no key is not needed: under the two masks
+    these kernels take, every row sees key 0, in the first tile it visits."""
+    m_new = gl.maximum(m_i, gl.max(s, 1) * qk_scale)
+    p = gl.exp2(s * qk_scale - m_new[:, None])
+    alpha = gl.exp2(m_i - m_new)  # how much the old maximum overstated the new one
+    l_i = l_i * alpha + gl.sum(p, 1)
+    acc = acc * gl.convert_layout(alpha, gl.SliceLayout(1, acc.type.layout))[:, None]
+    return p, acc, l_i, m_new
+
+
+@gluon.jit
 def _key_tiles(acc, l_i, m_i, s, q_tile, kv_ring, first, last, n_tiles, ring, rows, N_K, qk_scale,
                IS_CAUSAL: gl.constexpr, MASKED: gl.constexpr, SCORES_AHEAD: gl.constexpr):
     """triton_forward._key_tiles with the ring: the online-softmax update over key tiles
@@ -154,12 +169,7 @@ def _key_tiles(acc, l_i, m_i, s, q_tile, kv_ring, first, last, n_tiles, ring, ro
         if MASKED:  # keys past N_K, and after the row's own when causal
             cols = j * BLOCK_N + gl.arange(0, BLOCK_N, layout=gl.SliceLayout(0, s_layout))
             s = gl.where(visible_in_tile_gl(rows[:, None], cols[None, :], N_K, IS_CAUSAL), s, float("-inf"))
-        m_new = gl.maximum(m_i, gl.max(s, 1) * qk_scale)  # running max of base-2 logits
-        p = gl.exp2(s * qk_scale - m_new[:, None])
-        alpha = gl.exp2(m_i - m_new)
-        l_i = l_i * alpha + gl.sum(p, 1)
-        acc = acc * gl.convert_layout(alpha, gl.SliceLayout(1, o_layout))[:, None]
-        m_i = m_new
+        p, acc, l_i, m_i = online_softmax_update(acc, l_i, m_i, s, qk_scale)
         mbarrier.wait(v_ready.index(slot), phase)
         pv = warpgroup_mma(gl.convert_layout(p.to(q_tile.dtype), p_layout), v_tile, acc, is_async=True)
         if SCORES_AHEAD and j + 1 < n_tiles:
