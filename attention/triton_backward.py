@@ -26,8 +26,8 @@ import triton
 import triton.language as tl
 
 from .hopper import backward as hopper_backward
-from .launch import (INTERPRETING, as_4d, autotuned, descriptor_ready, head_dim_block, heads_first, new_like, program_grid,
-                     set_tma_scratch_allocator)
+from .launch import (INTERPRETING, as_4d, autotuned, descriptor_ready, head_dim_block, heads_first, new_like,
+                     program_grid, set_tma_scratch_allocator)
 from .masks import key_tile_bounds_tl, query_tile_bounds_tl, visible_in_tile_tl, window_bounds
 from .triton_tiles import LOG2_E, head_matrix, load_tile, program_tile_and_head, query_tile_start, store_tile
 
@@ -39,7 +39,8 @@ def _attn_bwd_delta(O, dO, DELTA, stride_ob, stride_oh, stride_on, stride_dob, s
     tile, bh, _ = program_tile_and_head(HEADS_FIRST)
     start_m = tile * BLOCK_M
     o_head = head_matrix(O, bh // H, bh % H, stride_ob, stride_oh, stride_on, N_Q, HEAD_DIM, BLOCK_M, BLOCK_D, False)
-    do_head = head_matrix(dO, bh // H, bh % H, stride_dob, stride_doh, stride_don, N_Q, HEAD_DIM, BLOCK_M, BLOCK_D, False)
+    do_head = head_matrix(dO, bh // H, bh % H, stride_dob, stride_doh, stride_don, N_Q, HEAD_DIM, BLOCK_M, BLOCK_D,
+                          False)
     rows = start_m + tl.arange(0, BLOCK_M)
     o_tile = load_tile(o_head, start_m, BLOCK_M, HEAD_DIM, BLOCK_D, False)
     do_tile = load_tile(do_head, start_m, BLOCK_M, HEAD_DIM, BLOCK_D, False)
@@ -100,16 +101,22 @@ def backward_smem_rows(config):
             (2 * tile_n, 2 * dkdv_tile_m)]  # dK, dV: K and V resident, Q and dO streamed
 
 
-# (dQ's query tile, key tile, dK/dV's query tile, num_warps, num_stages, TMA), best first: the
-# tuner times the first three that fit. On the H200 the first was the fastest on the model's short
-# sequences, the second and third on the paper's longer ones; the last ones fit wide heads in 99 KB.
+# Best first: the tuner times the first three that fit the card (launch.fitting_configs). BLOCK_M
+# is the query tile a dQ program holds, DKDV_BLOCK_M the one a dK/dV program streams. On the H200
+# the first was the fastest on the model's short sequences, the second and third on the paper's
+# longer ones; the last ones fit wide heads in 99 KB.
 BACKWARD_CONFIGS = [
-    triton.Config({"BLOCK_M": m, "BLOCK_N": n, "DKDV_BLOCK_M": dkdv_m, "USE_TMA": tma}, num_warps=w, num_stages=s)
-    for m, n, dkdv_m, w, s, tma in [
-        (64, 64, 32, 4, 2, False), (64, 64, 32, 4, 3, True), (64, 64, 64, 4, 3, True), (64, 64, 64, 4, 2, True),
-        (64, 32, 64, 4, 2, False), (64, 64, 64, 4, 2, False), (64, 32, 32, 4, 2, False), (64, 64, 64, 4, 3, False),
-        (128, 64, 64, 8, 2, True), (64, 16, 16, 4, 2, False), (16, 16, 16, 4, 2, False),
-    ]
+    triton.Config(dict(BLOCK_M=64, BLOCK_N=64, DKDV_BLOCK_M=32, USE_TMA=False), num_warps=4, num_stages=2),
+    triton.Config(dict(BLOCK_M=64, BLOCK_N=64, DKDV_BLOCK_M=32, USE_TMA=True), num_warps=4, num_stages=3),
+    triton.Config(dict(BLOCK_M=64, BLOCK_N=64, DKDV_BLOCK_M=64, USE_TMA=True), num_warps=4, num_stages=3),
+    triton.Config(dict(BLOCK_M=64, BLOCK_N=64, DKDV_BLOCK_M=64, USE_TMA=True), num_warps=4, num_stages=2),
+    triton.Config(dict(BLOCK_M=64, BLOCK_N=32, DKDV_BLOCK_M=64, USE_TMA=False), num_warps=4, num_stages=2),
+    triton.Config(dict(BLOCK_M=64, BLOCK_N=64, DKDV_BLOCK_M=64, USE_TMA=False), num_warps=4, num_stages=2),
+    triton.Config(dict(BLOCK_M=64, BLOCK_N=32, DKDV_BLOCK_M=32, USE_TMA=False), num_warps=4, num_stages=2),
+    triton.Config(dict(BLOCK_M=64, BLOCK_N=64, DKDV_BLOCK_M=64, USE_TMA=False), num_warps=4, num_stages=3),
+    triton.Config(dict(BLOCK_M=128, BLOCK_N=64, DKDV_BLOCK_M=64, USE_TMA=True), num_warps=8, num_stages=2),
+    triton.Config(dict(BLOCK_M=64, BLOCK_N=16, DKDV_BLOCK_M=16, USE_TMA=False), num_warps=4, num_stages=2),
+    triton.Config(dict(BLOCK_M=16, BLOCK_N=16, DKDV_BLOCK_M=16, USE_TMA=False), num_warps=4, num_stages=2),
 ]
 
 
@@ -162,8 +169,10 @@ def _attn_bwd(Q, K, V, dO, dQ, dK, dV, LSE, DELTA,
         job = tile - key_tiles
         start_m = query_tile_start(job // GROUP, (tiles - key_tiles) // GROUP, BLOCK_M)
         h = kv_head * GROUP + job % GROUP
-        k_head = head_matrix(K, b, h // GROUP, stride_kb, stride_kh, stride_kn, N_K, HEAD_DIM, BLOCK_N, BLOCK_D, USE_TMA)
-        v_head = head_matrix(V, b, h // GROUP, stride_vb, stride_vh, stride_vn, N_K, HEAD_DIM, BLOCK_N, BLOCK_D, USE_TMA)
+        k_head = head_matrix(K, b, h // GROUP, stride_kb, stride_kh, stride_kn, N_K, HEAD_DIM, BLOCK_N, BLOCK_D,
+                             USE_TMA)
+        v_head = head_matrix(V, b, h // GROUP, stride_vb, stride_vh, stride_vn, N_K, HEAD_DIM, BLOCK_N, BLOCK_D,
+                             USE_TMA)
         q_head = head_matrix(Q, b, h, stride_qb, stride_qh, stride_qn, N_Q, HEAD_DIM, BLOCK_M, BLOCK_D, USE_TMA)
         do_head = head_matrix(dO, b, h, stride_dob, stride_doh, stride_don, N_Q, HEAD_DIM, BLOCK_M, BLOCK_D, USE_TMA)
         rows = start_m + tl.arange(0, BLOCK_M)

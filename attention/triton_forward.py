@@ -18,8 +18,8 @@ import triton
 import triton.language as tl
 
 from .hopper import forward as hopper_forward
-from .launch import (INTERPRETING, as_4d, autotuned, descriptor_ready, head_dim_block, heads_first, new_like, program_grid,
-                     set_tma_scratch_allocator)
+from .launch import (INTERPRETING, as_4d, autotuned, descriptor_ready, head_dim_block, heads_first, new_like,
+                     program_grid, set_tma_scratch_allocator)
 from .masks import key_tile_bounds_tl, visible_in_tile_tl, window_bounds
 from .triton_tiles import LN_2, LOG2_E, head_matrix, load_tile, program_tile_and_head, query_tile_start, store_tile
 
@@ -65,16 +65,20 @@ def forward_smem_rows(config):
     return [(config.kwargs["BLOCK_M"], 2 * config.kwargs["BLOCK_N"])]
 
 
-# (BLOCK_M, BLOCK_N, num_warps, num_stages, TMA), best first: the tuner times the first three that
-# fit. On the H200 each of the first three wins somewhere (64x128 TMA long D=64 sequences, 128x64
-# TMA D=128, 64x64 cp.async the model's); the last ones fit wide heads in 99 KB.
+# Best first: the tuner times the first three that fit the card (launch.fitting_configs). On the
+# H200 each of the first three wins somewhere; the last ones fit wide heads in 99 KB.
 FORWARD_CONFIGS = [
-    triton.Config({"BLOCK_M": bm, "BLOCK_N": bn, "USE_TMA": tma}, num_warps=w, num_stages=s)
-    for bm, bn, w, s, tma in [
-        (64, 128, 4, 2, True), (128, 64, 4, 2, True), (64, 64, 4, 3, False), (128, 64, 8, 3, False), (64, 64, 4, 2, True),
-        (64, 64, 4, 3, True), (128, 128, 4, 3, True), (128, 32, 4, 3, False), (64, 32, 4, 2, False),
-        (32, 16, 4, 2, False), (16, 16, 4, 2, False),
-    ]
+    triton.Config(dict(BLOCK_M=64, BLOCK_N=128, USE_TMA=True), num_warps=4, num_stages=2),  # long D=64 sequences
+    triton.Config(dict(BLOCK_M=128, BLOCK_N=64, USE_TMA=True), num_warps=4, num_stages=2),  # D=128
+    triton.Config(dict(BLOCK_M=64, BLOCK_N=64, USE_TMA=False), num_warps=4, num_stages=3),  # the model's
+    triton.Config(dict(BLOCK_M=128, BLOCK_N=64, USE_TMA=False), num_warps=8, num_stages=3),
+    triton.Config(dict(BLOCK_M=64, BLOCK_N=64, USE_TMA=True), num_warps=4, num_stages=2),
+    triton.Config(dict(BLOCK_M=64, BLOCK_N=64, USE_TMA=True), num_warps=4, num_stages=3),
+    triton.Config(dict(BLOCK_M=128, BLOCK_N=128, USE_TMA=True), num_warps=4, num_stages=3),
+    triton.Config(dict(BLOCK_M=128, BLOCK_N=32, USE_TMA=False), num_warps=4, num_stages=3),
+    triton.Config(dict(BLOCK_M=64, BLOCK_N=32, USE_TMA=False), num_warps=4, num_stages=2),
+    triton.Config(dict(BLOCK_M=32, BLOCK_N=16, USE_TMA=False), num_warps=4, num_stages=2),
+    triton.Config(dict(BLOCK_M=16, BLOCK_N=16, USE_TMA=False), num_warps=4, num_stages=2),
 ]
 
 
