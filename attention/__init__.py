@@ -33,44 +33,19 @@ Read the files in this order (docs/learn.md walks the same path):
   hopper/                the forward and backward for Hopper, warp-specialised in Gluon
 
 This package needs only torch, triton and einops. Without a GPU the Triton kernels run in
-Triton's interpreter (numpy), so CPU users and CI exercise the real kernel source.
-NANOFA2_ADA=1 runs the consumer-card path on any card (launch.py).
+Triton's interpreter (numpy), so CPU users and CI exercise the real kernel source (_setup.py
+chooses it). NANOFA2_ADA=1 runs the consumer-card path on any card (launch.py).
 """
-import os
-import sys
+# First: which Triton runs the kernels (the interpreter without a GPU, the consumer-card path),
+# decided before any module below imports triton (_setup.py says why).
+from . import _setup  # noqa: F401, I001
+from .decode import decode_attention, store_in_cache
+from .eager import eager_attention, eager_attention_with_lse
+from .sdpa import sdpa_attention
+from .tiled import FlashAttentionPytorch
+from .triton_ops import FlashAttentionTriton, TritonForwardRecomputeBackward
 
-import torch
-
-
-def _interpret_triton_language():
-    """Triton makes each @triton.jit function compiled or interpreted as it defines it, its own
-    helpers in triton.language (tl.zeros, tl.sum, tl.max, ...) included. If triton was imported
-    before the interpreter was chosen (by torch.compile's machinery, say), redefine those for it."""
-    from triton.runtime.interpreter import InterpretedFunction
-    from triton.runtime.jit import JITFunction
-    import triton.language as tl
-    for namespace in (tl, tl.standard, tl.random, tl.tensor):
-        for name, value in list(vars(namespace).items()):
-            if isinstance(value, JITFunction):
-                setattr(namespace, name, InterpretedFunction(value.fn))
-
-
-# Both choices are read as Triton defines or compiles a kernel: made here, before any module below
-# defines one, whichever module imported triton first.
-if not torch.cuda.is_available() and "TRITON_INTERPRET" not in os.environ:
-    os.environ["TRITON_INTERPRET"] = "1"
-    if "triton.language" in sys.modules:
-        _interpret_triton_language()
-if os.environ.get("NANOFA2_ADA") == "1":
-    os.environ["DISABLE_MMA_V3"] = "1"  # Ampere-class mma.sync, as an sm_89 card runs, not Hopper's wgmma
-
-from .decode import decode_attention, store_in_cache  # noqa: E402
-from .eager import eager_attention, eager_attention_with_lse  # noqa: E402
-from .sdpa import sdpa_attention  # noqa: E402
-from .tiled import FlashAttentionPytorch  # noqa: E402
-from .triton_ops import FlashAttentionTriton, TritonForwardRecomputeBackward  # noqa: E402
-
-from .inputs import BACKENDS  # noqa: E402
+from .inputs import BACKENDS
 
 __all__ = ["BACKENDS", "attention", "decode_attention", "store_in_cache", "eager_attention",
            "eager_attention_with_lse", "sdpa_attention", "FlashAttentionPytorch", "FlashAttentionTriton"]

@@ -6,16 +6,14 @@ tiles are small and rectangular (tile_m != tile_n), so many tiles cross the diag
 window's edges, and sequences end mid-tile."""
 import pytest
 import torch
+import triton
+import triton.language as tl
 
-from attention import FlashAttentionPytorch
-from attention import masks
+from attention import FlashAttentionPytorch, masks
 from attention.masks import UNBOUNDED, key_tile_bounds, query_tile_bounds, visible_keys, window_bounds
 from attention.tiled import tiled_forward
 from attention.tiled_backward import tiled_backward
 from test_attention import TOLERANCE, assert_close, random_qkv, reference
-
-import triton  # noqa: E402, I001  (after attention, which decides whether Triton interprets)
-import triton.language as tl  # noqa: E402
 
 TILES = [(16, 8), (8, 16), (7, 13), (1, 5), (64, 64)]
 MASKS = [(True, (-1, -1)), (False, (-1, -1)), (True, (5, 0)), (False, (0, 3)), (False, (12, 20)), (True, (0, 0))]
