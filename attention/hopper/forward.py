@@ -74,8 +74,9 @@ def _q_buffer(tiles_done, half):
 # The partitions share their shared memory as two bundles, each a tuple (as Triton's Gluon
 # tutorials pass theirs): q_slots = (q_smem, q_ready, q_empty), the four halves of Q a program
 # keeps (_q_buffer) and their mbarriers, and kv_ring = (k_bufs, v_bufs, k_ready, v_ready,
-# kv_empty), the ring of K and V tiles (common.load_into_ring). Each partition reads its tile
-# sizes off the shapes of its buffers. Its other constants (IS_CAUSAL, HALF, SCORES_AHEAD) come in
+# kv_empty), the ring of K and V tiles (common.load_into_ring); the softmax partitions' outputs
+# go as out = (O's descriptor, LSE). Each partition reads its tile sizes off the shapes of its
+# buffers. Its other constants (IS_CAUSAL, HALF, SCORES_AHEAD) come in
 # its arguments, which stay compile-time only as written in the warp_specialize call
 # (_attn_fwd_warp_specialized).
 
