@@ -75,7 +75,7 @@ import torch.nn.functional as F  # noqa: E402
 from torch.nn.attention import SDPBackend, sdpa_kernel  # noqa: E402
 
 from attention import attention, decode_attention, launch, store_in_cache, triton_decode  # noqa: E402
-from attention.eager import UNBOUNDED  # noqa: E402
+from attention.masks import UNBOUNDED  # noqa: E402
 from attention.hopper import forward as hopper_forward  # noqa: E402
 from attention.launch import fitting_configs  # noqa: E402
 from attention.triton_backward import BACKWARD_CONFIGS, backward_smem_rows, flash_backward  # noqa: E402

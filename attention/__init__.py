@@ -5,7 +5,7 @@
     o = attention(q, k, v, window_size=(256, 0), backend="triton")   # a sliding window
 
 q is (..., H, N_q, D); k and v are (..., H_kv, N_k, D) with the same leading dims, H_kv a
-divisor of H (grouped-query attention; eager.py has the rules, causal and window included); the
+divisor of H (grouped-query attention, eager.py); the mask, causal or a window, is masks.py's; the
 result has q's shape and dtype. Scale 1/sqrt(D). Every backend traces under torch.compile.
 
 Backends:
@@ -16,10 +16,11 @@ Backends:
   sdpa        torch.nn.functional.scaled_dot_product_attention, the peer to beat
 
 Read the files in this order (docs/learn.md walks the same path):
-  eager.py               the definition: softmax(Q K^T / sqrt(D)) V, masks, grouped-query heads
-  tile_bounds.py         which tiles a program visits, and the mask inside a tile
+  eager.py               the definition: softmax(Q K^T / sqrt(D)) V, grouped-query heads
+  masks.py               the window, which tiles a program visits and the mask inside a tile, in
+                         Python, Triton and Gluon
   tiled.py               the tiled forward in PyTorch: the online softmax
-  triton_tiles.py        tile_bounds.py's rules and the tile loads as @triton.jit helpers
+  triton_tiles.py        the tile loads and stores as @triton.jit helpers
   triton_forward.py      the forward kernel
   tiled_backward.py      the tiled backward in PyTorch: delta, a dK/dV pass, a dQ pass
   triton_backward.py     the backward kernels: delta, then both passes in one launch
@@ -33,44 +34,20 @@ Read the files in this order (docs/learn.md walks the same path):
   hopper/                the forward and backward for Hopper, warp-specialised in Gluon
 
 This package needs only torch, triton and einops. Without a GPU the Triton kernels run in
-Triton's interpreter (numpy), so CPU users and CI exercise the real kernel source.
-NANOFA2_ADA=1 runs the consumer-card path on any card (launch.py).
+Triton's interpreter (numpy), so CPU users and CI exercise the real kernel source (_setup.py
+chooses it). NANOFA2_ADA=1 runs the consumer-card path on any card (launch.py).
 """
-import os
-import sys
-
-import torch
-
-
-def _interpret_triton_language():
-    """Triton makes each @triton.jit function compiled or interpreted as it defines it, its own
-    helpers in triton.language (tl.zeros, tl.sum, tl.max, ...) included. If triton was imported
-    before the interpreter was chosen (by torch.compile's machinery, say), redefine those for it."""
-    from triton.runtime.interpreter import InterpretedFunction
-    from triton.runtime.jit import JITFunction
-    import triton.language as tl
-    for namespace in (tl, tl.standard, tl.random, tl.tensor):
-        for name, value in list(vars(namespace).items()):
-            if isinstance(value, JITFunction):
-                setattr(namespace, name, InterpretedFunction(value.fn))
-
-
-# Both choices are read as Triton defines or compiles a kernel: made here, before any module below
-# defines one, whichever module imported triton first.
-if not torch.cuda.is_available() and "TRITON_INTERPRET" not in os.environ:
-    os.environ["TRITON_INTERPRET"] = "1"
-    if "triton.language" in sys.modules:
-        _interpret_triton_language()
-if os.environ.get("NANOFA2_ADA") == "1":
-    os.environ["DISABLE_MMA_V3"] = "1"  # Ampere-class mma.sync, as an sm_89 card runs, not Hopper's wgmma
-
-from . import backends  # noqa: E402
-from .backends import BACKENDS, TRITON_BACKENDS  # noqa: E402
-from .decode import check_decode_inputs, store_in_cache  # noqa: E402
-from .eager import eager_attention, eager_attention_with_lse, window_bounds  # noqa: E402
-from .sdpa import sdpa_attention  # noqa: E402
-from .tiled import FlashAttentionPytorch  # noqa: E402
-from .triton_ops import FlashAttentionTriton  # noqa: E402
+# First: which Triton runs the kernels (the interpreter without a GPU, the consumer-card path),
+# decided before any module below imports triton (_setup.py says why).
+from . import _setup  # noqa: F401, I001
+from . import backends
+from .backends import BACKENDS, TRITON_BACKENDS
+from .decode import check_decode_inputs, store_in_cache
+from .eager import eager_attention, eager_attention_with_lse
+from .masks import window_bounds
+from .sdpa import sdpa_attention
+from .tiled import FlashAttentionPytorch
+from .triton_ops import FlashAttentionTriton
 
 __all__ = ["BACKENDS", "TRITON_BACKENDS", "attention", "decode_attention", "store_in_cache", "eager_attention",
            "eager_attention_with_lse", "sdpa_attention", "FlashAttentionPytorch", "FlashAttentionTriton"]

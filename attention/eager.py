@@ -5,43 +5,17 @@
 The whole N_q x N_k score matrix is in memory, and autograd keeps the probabilities for the
 backward pass: the memory FlashAttention saves. The tests run this in float64.
 
-Which keys a query sees, in every backend:
-- Causal, top-left (as torch's scaled_dot_product_attention): query i sees key j when j <= i,
-  both counted from the start of their sequences. With N_q != N_k this is not the decoding
-  convention; decode.py's decode_attention handles one new query against a KV cache.
-- A window (left, right): query i sees keys i - left <= j <= i + right; -1 leaves that side
-  unbounded. Causal is right = 0. Top-left too: FlashAttention-2 takes the same (left, right)
-  but aligns causal and windows to the bottom-right when N_q != N_k (query i sits at key
-  i + N_k - N_q). Top-left is torch's is_causal, so sdpa agrees with every backend; training has
-  N_q = N_k, where the two are the same.
-- Grouped-query attention: q has H heads, k and v have H_kv, a divisor of H. Query head h reads
-  kv head h // (H // H_kv), as sdpa's enable_gqa does; H_kv = 1 is multi-query attention.
-A query that sees no key (a window past the last key, or N_k = 0) gets O = 0, lse = -inf.
+Which keys a query sees, causal or in a window (left, right), is masks.py's. Grouped-query
+attention: q has H heads, k and v have H_kv, a divisor of H. Query head h reads kv head
+h // (H // H_kv), as sdpa's enable_gqa does; H_kv = 1 is multi-query attention. A query that
+sees no key (a window past the last key, or N_k = 0) gets O = 0, lse = -inf.
 """
 import math
 
 import torch
 
 from .inputs import check_inputs
-
-# What a window side of -1 becomes: farther than any sequence. The kernels take the same number
-# (a 32-bit int), so one rule covers causal, windowed and full attention.
-UNBOUNDED = 2 ** 30
-
-
-def window_bounds(is_causal, window_size):
-    """(left, right), each an int in [0, UNBOUNDED]: the keys a query sees before and after its
-    own position. A side of UNBOUNDED or more reaches as far as -1 does, and is UNBOUNDED: the
-    kernels add the sides to 32-bit positions, where a side near 2**31 would wrap around."""
-    left, right = (UNBOUNDED if side < 0 else min(side, UNBOUNDED) for side in window_size)
-    return left, 0 if is_causal else right
-
-
-def visible_keys(n_q, n_k, left, right, device=None):
-    """(n_q, n_k) bool: True where query i sees key j, i - left <= j <= i + right."""
-    i = torch.arange(n_q, device=device)[:, None]
-    j = torch.arange(n_k, device=device)[None, :]
-    return (j >= i - left) & (j <= i + right)
+from .masks import UNBOUNDED, visible_keys, window_bounds
 
 
 def group_queries(q, k):
@@ -82,7 +56,7 @@ def eager_attention_with_lse(q, k, v, is_causal=False, window_size=(-1, -1)):
     left, right = window_bounds(is_causal, window_size)
     visible = None
     if (left, right) != (UNBOUNDED, UNBOUNDED):
-        visible = visible_keys(q.shape[-2], k.shape[-2], left, right, q.device)
+        visible = visible_keys((q.shape[-2], k.shape[-2], left, right), q.device)
     return masked_attention_with_lse(q, k, v, visible)
 
 

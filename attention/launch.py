@@ -5,7 +5,7 @@ triton_backward.py.
 
 The consumer-card path: NANOFA2_ADA=1 runs, on any card, the path an RTX 4070 Super (Ada,
 sm_89) takes: no Hopper kernels, no TMA configs, shared memory capped at Ada's 99 KB a block,
-and Ampere-class mma.sync (attention/__init__.py sets DISABLE_MMA_V3=1). docs/learn.md says
+and Ampere-class mma.sync (_setup.py sets DISABLE_MMA_V3=1). docs/learn.md says
 how far that is from the card itself.
 """
 import contextlib
@@ -82,8 +82,9 @@ def check_kernel_device(t):
     """CPU tensors run through the interpreter (with a warning); that needs the interpreter on."""
     if t.device.type == "cpu":
         if not INTERPRETING:
-            raise ValueError("q is a CPU tensor but the Triton kernels were compiled for the GPU; set "
-                             "TRITON_INTERPRET=1 before importing attention to run them on the CPU")
+            raise ValueError("q is a CPU tensor but Triton was loaded to compile for a GPU: to run the Triton "
+                             "kernels on the CPU, set TRITON_INTERPRET=1 before anything imports triton, or import "
+                             "attention first")
         warnings.warn("Triton attention on CPU runs through the Triton interpreter: correct but slow",
                       stacklevel=_caller_stacklevel())
 

@@ -14,8 +14,8 @@ import math
 
 import torch
 
-from .eager import group_queries, window_bounds
-from .tile_bounds import tile_mask
+from .eager import group_queries
+from .masks import tile_mask, window_bounds
 
 
 def recompute_backward(Q, K, V, O, lse, dO, is_causal=False, window_size=(-1, -1), chunk_size=128):
@@ -24,20 +24,19 @@ def recompute_backward(Q, K, V, O, lse, dO, is_causal=False, window_size=(-1, -1
     scale = 1.0 / math.sqrt(Q.shape[-1])
     shapes, dtype = (Q.shape, K.shape, V.shape), Q.dtype
     compute = torch.float64 if dtype == torch.float64 else torch.float32
-    left, right = window_bounds(is_causal, window_size)
     Q, K, V, O, lse, dO = (t.to(compute) for t in (Q, K, V, O, lse, dO))
     delta = (dO * O).sum(-1)
     (Q, K), (_, V) = group_queries(Q, K), group_queries(Q, V)  # grouped-query heads broadcast
     dO, lse, delta = dO.reshape(Q.shape), lse.reshape(Q.shape[:-1]), delta.reshape(Q.shape[:-1])
     n_q, n_k = Q.shape[-2], K.shape[-2]
+    mask = (n_q, n_k, *window_bounds(is_causal, window_size))
     dQ, dK, dV = torch.empty_like(Q), torch.zeros_like(K), torch.zeros_like(V)
     for start in range(0, n_q, chunk_size):
         end = min(start + chunk_size, n_q)
         q, do = Q[..., start:end, :], dO[..., start:end, :]
         S = (q @ K.transpose(-2, -1)) * scale
         # Masked after the exp, not with -inf before: a row that sees no key has lse = -inf.
-        P = torch.exp(S - lse[..., start:end, None]).masked_fill(~tile_mask(start, end, 0, n_k, n_k, left, right,
-                                                                             Q.device), 0.0)
+        P = torch.exp(S - lse[..., start:end, None]).masked_fill(~tile_mask(start, end, 0, n_k, mask, Q.device), 0.0)
         dS = P * (do @ V.transpose(-2, -1) - delta[..., start:end, None])
         dQ[..., start:end, :] = (dS @ K) * scale
         dV += (P.transpose(-2, -1) @ do).sum(-3, keepdim=True)  # a kv head sums its G query heads

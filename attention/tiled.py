@@ -13,7 +13,7 @@ the last tile, O = acc / l_i and lse = m_i + log(l_i), the logsumexp of the row'
 which the backward needs. The full N_q x N_k score matrix never exists; the largest
 temporary is one tile_m x tile_n block of scores.
 
-Which key tiles a query tile visits, and which of them need a mask, is tile_bounds.py's
+Which key tiles a query tile visits, and which of them need a mask, is masks.py's
 key_tile_bounds: causal attention and windows skip whole tiles. Grouped-query heads are an
 index map (eager.group_queries): the G query heads of a kv head broadcast against its K and V.
 
@@ -26,9 +26,9 @@ import math
 import torch
 from einops import einsum
 
-from .eager import group_queries, window_bounds
+from .eager import group_queries
 from .inputs import check_inputs, first_order_only
-from .tile_bounds import check_tile_sizes, key_tile_bounds, tile_mask
+from .masks import check_tile_sizes, key_tile_bounds, tile_mask, window_bounds
 from .tiled_backward import tiled_backward
 
 
@@ -53,7 +53,7 @@ def tiled_forward(Q, K, V, is_causal=False, window_size=(-1, -1), tile_m=64, til
     tile pair at a time."""
     check_tile_sizes(tile_m, tile_n)
     n_q, n_k = Q.shape[-2], K.shape[-2]
-    left, right = window_bounds(is_causal, window_size)
+    mask = (n_q, n_k, *window_bounds(is_causal, window_size))
     scale = 1.0 / math.sqrt(Q.shape[-1])
     compute = torch.float64 if Q.dtype == torch.float64 else torch.float32
     Q_groups, K_groups = group_queries(Q, K)  # (..., H_kv, G, N_q, D) and (..., H_kv, 1, N_k, D)
@@ -67,14 +67,14 @@ def tiled_forward(Q, K, V, is_causal=False, window_size=(-1, -1), tile_m=64, til
         m_i = torch.full(q_tile.shape[:-1], float("-inf"), dtype=compute, device=Q.device)
         l_i = torch.zeros_like(m_i)
         acc = torch.zeros_like(q_tile)
-        start, full_start, full_end, end = key_tile_bounds(q_start, n_k, left, right, tile_m, tile_n)
+        start, full_start, full_end, end = key_tile_bounds(q_start, mask, tile_m, tile_n)
         for k_start in range(start, end, tile_n):
             k_end = min(k_start + tile_n, n_k)  # a slice stops at n_k: the kernels mask keys past it instead
             k_tile = K_groups[..., k_start:k_end, :].to(compute)
             v_tile = V_groups[..., k_start:k_end, :]
             s = einsum(q_tile, k_tile, "... i d, ... j d -> ... i j") * scale
             if not full_start <= k_start < full_end:  # a masked tile
-                s = s.masked_fill(~tile_mask(q_start, q_end, k_start, k_end, n_k, left, right, Q.device),
+                s = s.masked_fill(~tile_mask(q_start, q_end, k_start, k_end, mask, Q.device),
                                   float("-inf"))
             m_i, l_i, acc = online_softmax_update(m_i, l_i, acc, s, v_tile)
         # A row that saw no key keeps l_i = 0: O = 0 and lse = -inf.

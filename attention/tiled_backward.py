@@ -26,8 +26,8 @@ import math
 import torch
 from einops import einsum
 
-from .eager import group_queries, window_bounds
-from .tile_bounds import check_tile_sizes, key_tile_bounds, query_tile_bounds, tile_mask
+from .eager import group_queries
+from .masks import check_tile_sizes, key_tile_bounds, query_tile_bounds, tile_mask, window_bounds
 
 
 def tiled_backward(Q, K, V, O, lse, dO, is_causal=False, window_size=(-1, -1), tile_m=64, tile_n=64):
@@ -35,7 +35,7 @@ def tiled_backward(Q, K, V, O, lse, dO, is_causal=False, window_size=(-1, -1), t
     (float64 for float64 inputs); results in the inputs' dtype."""
     check_tile_sizes(tile_m, tile_n)
     n_q, n_k = Q.shape[-2], K.shape[-2]
-    left, right = window_bounds(is_causal, window_size)
+    mask = (n_q, n_k, *window_bounds(is_causal, window_size))
     scale = 1.0 / math.sqrt(Q.shape[-1])
     shapes, dtype = (Q.shape, K.shape, V.shape), Q.dtype
     compute = torch.float64 if dtype == torch.float64 else torch.float32
@@ -51,14 +51,14 @@ def tiled_backward(Q, K, V, O, lse, dO, is_causal=False, window_size=(-1, -1), t
         k_end = min(k_start + tile_n, n_k)
         k_tile, v_tile = K[..., k_start:k_end, :], V[..., k_start:k_end, :]
         dk, dv = torch.zeros_like(k_tile), torch.zeros_like(v_tile)
-        start, full_start, full_end, end = query_tile_bounds(k_start, n_q, left, right, tile_m, tile_n)
+        start, full_start, full_end, end = query_tile_bounds(k_start, mask, tile_m, tile_n)
         for q_start in range(start, end, tile_m):
             q_end = min(q_start + tile_m, n_q)
             q_tile, do_tile = Q[..., q_start:q_end, :], dO[..., q_start:q_end, :]
             s_t = einsum(k_tile, q_tile, "... j d, ... i d -> ... j i") * scale
             p_t = torch.exp(s_t - lse[..., None, q_start:q_end])
             if not full_start <= q_start < full_end:  # a masked tile
-                p_t = p_t.masked_fill(~tile_mask(q_start, q_end, k_start, k_end, n_k, left, right, Q.device).mT, 0.0)
+                p_t = p_t.masked_fill(~tile_mask(q_start, q_end, k_start, k_end, mask, Q.device).mT, 0.0)
             dp_t = einsum(v_tile, do_tile, "... j d, ... i d -> ... j i")
             ds_t = p_t * (dp_t - delta[..., None, q_start:q_end])
             # The sum over the group's query heads (dim -3) is GQA's: one kv head, G readers.
@@ -72,14 +72,14 @@ def tiled_backward(Q, K, V, O, lse, dO, is_causal=False, window_size=(-1, -1), t
         q_end = min(q_start + tile_m, n_q)
         q_tile, do_tile = Q[..., q_start:q_end, :], dO[..., q_start:q_end, :]
         dq = torch.zeros_like(q_tile)
-        start, full_start, full_end, end = key_tile_bounds(q_start, n_k, left, right, tile_m, tile_n)
+        start, full_start, full_end, end = key_tile_bounds(q_start, mask, tile_m, tile_n)
         for k_start in range(start, end, tile_n):
             k_end = min(k_start + tile_n, n_k)
             k_tile, v_tile = K[..., k_start:k_end, :], V[..., k_start:k_end, :]
             s = einsum(q_tile, k_tile, "... i d, ... j d -> ... i j") * scale
             p = torch.exp(s - lse[..., q_start:q_end, None])
             if not full_start <= k_start < full_end:  # a masked tile
-                p = p.masked_fill(~tile_mask(q_start, q_end, k_start, k_end, n_k, left, right, Q.device), 0.0)
+                p = p.masked_fill(~tile_mask(q_start, q_end, k_start, k_end, mask, Q.device), 0.0)
             dp = einsum(do_tile, v_tile, "... i d, ... j d -> ... i j")
             ds = p * (dp - delta[..., q_start:q_end, None])
             dq += einsum(ds, k_tile, "... i j, ... j d -> ... i d")

@@ -3,10 +3,10 @@ dK, dV together, with no atomics.
 
 1. _attn_bwd_delta: delta = rowsum(dO * O) for every query row, which both jobs below need.
 2. _attn_bwd: each program does one of two jobs, chosen by its index.
-   - dK, dV (_dkdv): a program holds one K/V tile of one (batch, kv head) and streams past it
+   - dK, dV: a program holds one K/V tile of one (batch, kv head) and streams past it
      the query tiles that see it, of every query head that reads this kv head (GROUP of them),
      accumulating dK and dV in float32 registers.
-   - dQ (_dq): a program holds one query tile and streams the K/V tiles it sees (the forward's
+   - dQ: a program holds one query tile and streams the K/V tiles it sees (the forward's
      schedule), accumulating dQ.
    Given delta the two jobs are independent, and at the model's shapes (a few hundred programs,
    each a short loop) the GPU is far from full: launched together, their programs run side by
@@ -26,11 +26,10 @@ import triton
 import triton.language as tl
 
 from .hopper import backward as hopper_backward
-from .eager import window_bounds
-from .launch import (INTERPRETING, as_4d, autotuned, descriptor_ready, head_dim_block, heads_first, new_like, program_grid,
-                     set_tma_scratch_allocator)
-from .triton_tiles import (LOG2_E, head_matrix, key_tile_bounds, load_tile, program_tile_and_head, query_tile_bounds,
-                           query_tile_start, store_tile, visible_in_tile)
+from .launch import (INTERPRETING, as_4d, autotuned, descriptor_ready, head_dim_block, heads_first, new_like,
+                     program_grid, set_tma_scratch_allocator)
+from .masks import key_tile_bounds_tl, query_tile_bounds_tl, visible_in_tile_tl, window_bounds
+from .triton_tiles import LOG2_E, head_matrix, load_tile, program_tile_and_head, query_tile_start, store_tile
 
 
 @triton.jit(do_not_specialize=["N_Q"])
@@ -39,116 +38,60 @@ def _attn_bwd_delta(O, dO, DELTA, stride_ob, stride_oh, stride_on, stride_dob, s
     """delta_i = dO_i . O_i for the BLOCK_M query rows of one program, stored to DELTA (B, H, N_Q)."""
     tile, bh, _ = program_tile_and_head(HEADS_FIRST)
     start_m = tile * BLOCK_M
-    O = head_matrix(O, bh // H, bh % H, stride_ob, stride_oh, stride_on, N_Q, HEAD_DIM, BLOCK_M, BLOCK_D, False)
-    dO = head_matrix(dO, bh // H, bh % H, stride_dob, stride_doh, stride_don, N_Q, HEAD_DIM, BLOCK_M, BLOCK_D, False)
+    o_head = head_matrix(O, bh // H, bh % H, stride_ob, stride_oh, stride_on, N_Q, HEAD_DIM, BLOCK_M, BLOCK_D, False)
+    do_head = head_matrix(dO, bh // H, bh % H, stride_dob, stride_doh, stride_don, N_Q, HEAD_DIM, BLOCK_M, BLOCK_D,
+                          False)
     rows = start_m + tl.arange(0, BLOCK_M)
-    o_tile = load_tile(O, start_m, N_Q, stride_on, BLOCK_M, HEAD_DIM, BLOCK_D, False)
-    do_tile = load_tile(dO, start_m, N_Q, stride_don, BLOCK_M, HEAD_DIM, BLOCK_D, False)
+    o_tile = load_tile(o_head, start_m, BLOCK_M, HEAD_DIM, BLOCK_D, False)
+    do_tile = load_tile(do_head, start_m, BLOCK_M, HEAD_DIM, BLOCK_D, False)
     delta = tl.sum(o_tile.to(tl.float32) * do_tile.to(tl.float32), 1)
     tl.store(DELTA + bh * N_Q + rows, delta, mask=rows < N_Q)
 
 
 @triton.jit
-def _dkdv_query_tiles(dk, dv, k_tile, v_tile, Q, dO, stride_qn, stride_don, LSE, DELTA, start, end, cols, N_Q, N_K,
-                      LEFT, RIGHT, qk_scale, MASKED: tl.constexpr, HEAD_DIM: tl.constexpr, BLOCK_D: tl.constexpr,
-                      BLOCK_M: tl.constexpr, USE_TMA: tl.constexpr):
-    """Add the contributions of the query tiles from start to end to this K/V tile's dK, dV.
-    Everything is transposed (keys along rows) so the accumulators keep the K/V tile's shape."""
-    for tile_start in range(start, end, BLOCK_M):
-        rows = tile_start + tl.arange(0, BLOCK_M)
-        q_tile = load_tile(Q, tile_start, N_Q, stride_qn, BLOCK_M, HEAD_DIM, BLOCK_D, USE_TMA)
-        do_tile = load_tile(dO, tile_start, N_Q, stride_don, BLOCK_M, HEAD_DIM, BLOCK_D, USE_TMA)
-        # Rows past N_Q read lse = +inf, so their probabilities are exactly 0 and need no mask.
-        # lse in base 2, like the scores (as m_i is in the forward).
-        lse = tl.load(LSE + rows, mask=rows < N_Q, other=float("inf")) * LOG2_E
-        delta = tl.load(DELTA + rows, mask=rows < N_Q, other=0.0)
-        p_t = tl.exp2(tl.dot(k_tile, tl.trans(q_tile)) * qk_scale - lse[None, :])  # P^T, (BLOCK_N, BLOCK_M)
-        if MASKED:
-            p_t = tl.where(visible_in_tile(rows[None, :], cols[:, None], N_K, LEFT, RIGHT), p_t, 0.0)
-        dv += tl.dot(p_t.to(do_tile.dtype), do_tile)
-        dp_t = tl.dot(v_tile, tl.trans(do_tile))
-        ds_t = p_t * (dp_t - delta[None, :])
-        dk += tl.dot(ds_t.to(q_tile.dtype), q_tile)
+def _dkdv_query_tiles(dk, dv, k_tile, v_tile, cols, q_head, do_head, LSE, DELTA, bounds, mask, qk_scale,
+                      HEAD_DIM: tl.constexpr, BLOCK_M: tl.constexpr, USE_TMA: tl.constexpr):
+    """Add to the dK, dV of key tile `cols` the query tiles of one query head in bounds, (start,
+    full_start, full_end, end): a masked run, a full run, a masked run. Everything is transposed
+    (keys along rows) so the accumulators keep the K/V tile's shape."""
+    BLOCK_D: tl.constexpr = k_tile.shape[1]
+    N_Q, _, _, _ = mask
+    for run in tl.static_range(3):  # masked, full, masked
+        for tile_start in range(bounds[run], bounds[run + 1], BLOCK_M):
+            rows = tile_start + tl.arange(0, BLOCK_M)
+            q_tile = load_tile(q_head, tile_start, BLOCK_M, HEAD_DIM, BLOCK_D, USE_TMA)
+            do_tile = load_tile(do_head, tile_start, BLOCK_M, HEAD_DIM, BLOCK_D, USE_TMA)
+            # Rows past N_Q read lse = +inf, so their probabilities are exactly 0 and need no mask.
+            # lse in base 2, like the scores (as m_i is in the forward).
+            lse = tl.load(LSE + rows, mask=rows < N_Q, other=float("inf")) * LOG2_E
+            delta = tl.load(DELTA + rows, mask=rows < N_Q, other=0.0)
+            p_t = tl.exp2(tl.dot(k_tile, tl.trans(q_tile)) * qk_scale - lse[None, :])  # P^T, (BLOCK_N, BLOCK_M)
+            if run != 1:
+                p_t = tl.where(visible_in_tile_tl(rows[None, :], cols[:, None], mask), p_t, 0.0)
+            dv += tl.dot(p_t.to(do_tile.dtype), do_tile)
+            dp_t = tl.dot(v_tile, tl.trans(do_tile))
+            ds_t = p_t * (dp_t - delta[None, :])
+            dk += tl.dot(ds_t.to(q_tile.dtype), q_tile)
     return dk, dv
 
 
 @triton.jit
-def _dq_key_tiles(dq, q_tile, do_tile, lse, delta, K, V, stride_kn, stride_vn, start, end, rows, N_K, LEFT, RIGHT,
-                  qk_scale, MASKED: tl.constexpr, HEAD_DIM: tl.constexpr, BLOCK_D: tl.constexpr, BLOCK_N: tl.constexpr,
-                  USE_TMA: tl.constexpr):
-    """Add the contributions of the key tiles from start to end to this query tile's dQ."""
-    for tile_start in range(start, end, BLOCK_N):
-        k_tile = load_tile(K, tile_start, N_K, stride_kn, BLOCK_N, HEAD_DIM, BLOCK_D, USE_TMA)
-        v_tile = load_tile(V, tile_start, N_K, stride_vn, BLOCK_N, HEAD_DIM, BLOCK_D, USE_TMA)
-        p = tl.exp2(tl.dot(q_tile, tl.trans(k_tile)) * qk_scale - lse[:, None])
-        if MASKED:
-            cols = tile_start + tl.arange(0, BLOCK_N)
-            p = tl.where(visible_in_tile(rows[:, None], cols[None, :], N_K, LEFT, RIGHT), p, 0.0)
-        dp = tl.dot(do_tile, tl.trans(v_tile))
-        ds = p * (dp - delta[:, None])
-        dq += tl.dot(ds.to(k_tile.dtype), k_tile)
+def _dq_key_tiles(dq, q_tile, do_tile, lse, delta, rows, k_head, v_head, bounds, mask, qk_scale,
+                  HEAD_DIM: tl.constexpr, BLOCK_N: tl.constexpr, USE_TMA: tl.constexpr):
+    """Add to the dQ of query rows `rows` the key tiles in bounds, with the forward's runs."""
+    BLOCK_D: tl.constexpr = q_tile.shape[1]
+    for run in tl.static_range(3):  # masked, full, masked
+        for tile_start in range(bounds[run], bounds[run + 1], BLOCK_N):
+            k_tile = load_tile(k_head, tile_start, BLOCK_N, HEAD_DIM, BLOCK_D, USE_TMA)
+            v_tile = load_tile(v_head, tile_start, BLOCK_N, HEAD_DIM, BLOCK_D, USE_TMA)
+            p = tl.exp2(tl.dot(q_tile, tl.trans(k_tile)) * qk_scale - lse[:, None])
+            if run != 1:
+                cols = tile_start + tl.arange(0, BLOCK_N)
+                p = tl.where(visible_in_tile_tl(rows[:, None], cols[None, :], mask), p, 0.0)
+            dp = tl.dot(do_tile, tl.trans(v_tile))
+            ds = p * (dp - delta[:, None])
+            dq += tl.dot(ds.to(k_tile.dtype), k_tile)
     return dq
-
-
-@triton.jit
-def _dkdv(Q, K, V, dO, dK, dV, LSE, DELTA, stride_qb, stride_qh, stride_qn, stride_kb, stride_kh, stride_kn,
-          stride_vb, stride_vh, stride_vn, stride_dob, stride_doh, stride_don, stride_dkb, stride_dkh, stride_dkn,
-          stride_dvb, stride_dvh, stride_dvn, b, kv_head, start_n, H, GROUP, N_Q, N_K, LEFT, RIGHT, qk_scale, sm_scale,
-          HEAD_DIM: tl.constexpr, BLOCK_D: tl.constexpr, BLOCK_N: tl.constexpr, DKDV_BLOCK_M: tl.constexpr,
-          USE_TMA: tl.constexpr):
-    """The dK/dV job: the key tile from start_n of (b, kv_head)."""
-    K = head_matrix(K, b, kv_head, stride_kb, stride_kh, stride_kn, N_K, HEAD_DIM, BLOCK_N, BLOCK_D, USE_TMA)
-    V = head_matrix(V, b, kv_head, stride_vb, stride_vh, stride_vn, N_K, HEAD_DIM, BLOCK_N, BLOCK_D, USE_TMA)
-    cols = start_n + tl.arange(0, BLOCK_N)
-    k_tile = load_tile(K, start_n, N_K, stride_kn, BLOCK_N, HEAD_DIM, BLOCK_D, USE_TMA)  # keys past N_K: zeros, never stored
-    v_tile = load_tile(V, start_n, N_K, stride_vn, BLOCK_N, HEAD_DIM, BLOCK_D, USE_TMA)
-    dk = tl.zeros([BLOCK_N, BLOCK_D], dtype=tl.float32)
-    dv = tl.zeros([BLOCK_N, BLOCK_D], dtype=tl.float32)
-    start, full_start, full_end, end = query_tile_bounds(start_n, N_Q, LEFT, RIGHT, DKDV_BLOCK_M, BLOCK_N)
-    for g in range(GROUP):  # a kv head's dK and dV add up the parts of every query head that reads it
-        h = kv_head * GROUP + g
-        q = head_matrix(Q, b, h, stride_qb, stride_qh, stride_qn, N_Q, HEAD_DIM, DKDV_BLOCK_M, BLOCK_D, USE_TMA)
-        do = head_matrix(dO, b, h, stride_dob, stride_doh, stride_don, N_Q, HEAD_DIM, DKDV_BLOCK_M, BLOCK_D, USE_TMA)
-        lse, delta = LSE + (b * H + h) * N_Q, DELTA + (b * H + h) * N_Q
-        dk, dv = _dkdv_query_tiles(dk, dv, k_tile, v_tile, q, do, stride_qn, stride_don, lse, delta, start, full_start,
-                                   cols, N_Q, N_K, LEFT, RIGHT, qk_scale, True, HEAD_DIM, BLOCK_D, DKDV_BLOCK_M, USE_TMA)
-        dk, dv = _dkdv_query_tiles(dk, dv, k_tile, v_tile, q, do, stride_qn, stride_don, lse, delta, full_start,
-                                   full_end, cols, N_Q, N_K, LEFT, RIGHT, qk_scale, False, HEAD_DIM, BLOCK_D,
-                                   DKDV_BLOCK_M, USE_TMA)
-        dk, dv = _dkdv_query_tiles(dk, dv, k_tile, v_tile, q, do, stride_qn, stride_don, lse, delta, full_end, end,
-                                   cols, N_Q, N_K, LEFT, RIGHT, qk_scale, True, HEAD_DIM, BLOCK_D, DKDV_BLOCK_M, USE_TMA)
-    dK = head_matrix(dK, b, kv_head, stride_dkb, stride_dkh, stride_dkn, N_K, HEAD_DIM, BLOCK_N, BLOCK_D, USE_TMA)
-    dV = head_matrix(dV, b, kv_head, stride_dvb, stride_dvh, stride_dvn, N_K, HEAD_DIM, BLOCK_N, BLOCK_D, USE_TMA)
-    store_tile(dK, start_n, N_K, stride_dkn, dk * sm_scale, BLOCK_N, HEAD_DIM, BLOCK_D, USE_TMA)
-    store_tile(dV, start_n, N_K, stride_dvn, dv, BLOCK_N, HEAD_DIM, BLOCK_D, USE_TMA)
-
-
-@triton.jit
-def _dq(Q, K, V, dO, dQ, LSE, DELTA, stride_qb, stride_qh, stride_qn, stride_kb, stride_kh, stride_kn,
-        stride_vb, stride_vh, stride_vn, stride_dob, stride_doh, stride_don, stride_dqb, stride_dqh, stride_dqn,
-        b, h, start_m, H, GROUP, N_Q, N_K, LEFT, RIGHT, qk_scale, sm_scale,
-        HEAD_DIM: tl.constexpr, BLOCK_D: tl.constexpr, BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr,
-        USE_TMA: tl.constexpr):
-    """The dQ job: the query tile from start_m of (b, h), with the forward's schedule."""
-    K = head_matrix(K, b, h // GROUP, stride_kb, stride_kh, stride_kn, N_K, HEAD_DIM, BLOCK_N, BLOCK_D, USE_TMA)
-    V = head_matrix(V, b, h // GROUP, stride_vb, stride_vh, stride_vn, N_K, HEAD_DIM, BLOCK_N, BLOCK_D, USE_TMA)
-    Q = head_matrix(Q, b, h, stride_qb, stride_qh, stride_qn, N_Q, HEAD_DIM, BLOCK_M, BLOCK_D, USE_TMA)
-    dO = head_matrix(dO, b, h, stride_dob, stride_doh, stride_don, N_Q, HEAD_DIM, BLOCK_M, BLOCK_D, USE_TMA)
-    rows = start_m + tl.arange(0, BLOCK_M)
-    q_tile = load_tile(Q, start_m, N_Q, stride_qn, BLOCK_M, HEAD_DIM, BLOCK_D, USE_TMA)
-    do_tile = load_tile(dO, start_m, N_Q, stride_don, BLOCK_M, HEAD_DIM, BLOCK_D, USE_TMA)
-    lse = tl.load(LSE + (b * H + h) * N_Q + rows, mask=rows < N_Q, other=float("inf")) * LOG2_E  # base 2
-    delta = tl.load(DELTA + (b * H + h) * N_Q + rows, mask=rows < N_Q, other=0.0)
-    dq = tl.zeros([BLOCK_M, BLOCK_D], dtype=tl.float32)
-    start, full_start, full_end, end = key_tile_bounds(start_m, N_K, LEFT, RIGHT, BLOCK_M, BLOCK_N)
-    dq = _dq_key_tiles(dq, q_tile, do_tile, lse, delta, K, V, stride_kn, stride_vn, start, full_start, rows, N_K,
-                       LEFT, RIGHT, qk_scale, True, HEAD_DIM, BLOCK_D, BLOCK_N, USE_TMA)
-    dq = _dq_key_tiles(dq, q_tile, do_tile, lse, delta, K, V, stride_kn, stride_vn, full_start, full_end, rows, N_K,
-                       LEFT, RIGHT, qk_scale, False, HEAD_DIM, BLOCK_D, BLOCK_N, USE_TMA)
-    dq = _dq_key_tiles(dq, q_tile, do_tile, lse, delta, K, V, stride_kn, stride_vn, full_end, end, rows, N_K,
-                       LEFT, RIGHT, qk_scale, True, HEAD_DIM, BLOCK_D, BLOCK_N, USE_TMA)
-    dQ = head_matrix(dQ, b, h, stride_dqb, stride_dqh, stride_dqn, N_Q, HEAD_DIM, BLOCK_M, BLOCK_D, USE_TMA)
-    store_tile(dQ, start_m, N_Q, stride_dqn, dq * sm_scale, BLOCK_M, HEAD_DIM, BLOCK_D, USE_TMA)
 
 
 def backward_smem_rows(config):
@@ -158,26 +101,32 @@ def backward_smem_rows(config):
             (2 * tile_n, 2 * dkdv_tile_m)]  # dK, dV: K and V resident, Q and dO streamed
 
 
-# (dQ's query tile, key tile, dK/dV's query tile, num_warps, num_stages, TMA), best first: the
-# tuner times the first three that fit. On the H200 the first was the fastest on the model's short
-# sequences, the second and third on the paper's longer ones; the last ones fit wide heads in 99 KB.
+# Best first: the tuner times the first three that fit the card (launch.fitting_configs). BLOCK_M
+# is the query tile a dQ program holds, DKDV_BLOCK_M the one a dK/dV program streams. On the H200
+# the first was the fastest on the model's short sequences, the second and third on the paper's
+# longer ones; the last ones fit wide heads in 99 KB.
 BACKWARD_CONFIGS = [
-    triton.Config({"BLOCK_M": m, "BLOCK_N": n, "DKDV_BLOCK_M": dkdv_m, "USE_TMA": tma}, num_warps=w, num_stages=s)
-    for m, n, dkdv_m, w, s, tma in [
-        (64, 64, 32, 4, 2, False), (64, 64, 32, 4, 3, True), (64, 64, 64, 4, 3, True), (64, 64, 64, 4, 2, True),
-        (64, 32, 64, 4, 2, False), (64, 64, 64, 4, 2, False), (64, 32, 32, 4, 2, False), (64, 64, 64, 4, 3, False),
-        (128, 64, 64, 8, 2, True), (64, 16, 16, 4, 2, False), (16, 16, 16, 4, 2, False),
-    ]
+    triton.Config(dict(BLOCK_M=64, BLOCK_N=64, DKDV_BLOCK_M=32, USE_TMA=False), num_warps=4, num_stages=2),
+    triton.Config(dict(BLOCK_M=64, BLOCK_N=64, DKDV_BLOCK_M=32, USE_TMA=True), num_warps=4, num_stages=3),
+    triton.Config(dict(BLOCK_M=64, BLOCK_N=64, DKDV_BLOCK_M=64, USE_TMA=True), num_warps=4, num_stages=3),
+    triton.Config(dict(BLOCK_M=64, BLOCK_N=64, DKDV_BLOCK_M=64, USE_TMA=True), num_warps=4, num_stages=2),
+    triton.Config(dict(BLOCK_M=64, BLOCK_N=32, DKDV_BLOCK_M=64, USE_TMA=False), num_warps=4, num_stages=2),
+    triton.Config(dict(BLOCK_M=64, BLOCK_N=64, DKDV_BLOCK_M=64, USE_TMA=False), num_warps=4, num_stages=2),
+    triton.Config(dict(BLOCK_M=64, BLOCK_N=32, DKDV_BLOCK_M=32, USE_TMA=False), num_warps=4, num_stages=2),
+    triton.Config(dict(BLOCK_M=64, BLOCK_N=64, DKDV_BLOCK_M=64, USE_TMA=False), num_warps=4, num_stages=3),
+    triton.Config(dict(BLOCK_M=128, BLOCK_N=64, DKDV_BLOCK_M=64, USE_TMA=True), num_warps=8, num_stages=2),
+    triton.Config(dict(BLOCK_M=64, BLOCK_N=16, DKDV_BLOCK_M=16, USE_TMA=False), num_warps=4, num_stages=2),
+    triton.Config(dict(BLOCK_M=16, BLOCK_N=16, DKDV_BLOCK_M=16, USE_TMA=False), num_warps=4, num_stages=2),
 ]
 
 
-@autotuned(BACKWARD_CONFIGS, backward_smem_rows, key=["N_Q", "N_K", "H", "GROUP", "LEFT", "RIGHT", "HEAD_DIM"])
+@autotuned(BACKWARD_CONFIGS, backward_smem_rows, key=["N_Q", "N_K", "H", "GROUP", "left", "right", "HEAD_DIM"])
 @triton.jit
 def _attn_bwd(Q, K, V, dO, dQ, dK, dV, LSE, DELTA,
               stride_qb, stride_qh, stride_qn, stride_kb, stride_kh, stride_kn,
               stride_vb, stride_vh, stride_vn, stride_dob, stride_doh, stride_don,
               stride_dqb, stride_dqh, stride_dqn, stride_dkb, stride_dkh, stride_dkn, stride_dvb, stride_dvh, stride_dvn,
-              H, GROUP, N_Q, N_K, LEFT, RIGHT, qk_scale, sm_scale,
+              H, GROUP, N_Q, N_K, left, right, qk_scale, sm_scale,
               HEAD_DIM: tl.constexpr, BLOCK_D: tl.constexpr, HEADS_FIRST: tl.constexpr,
               BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr, DKDV_BLOCK_M: tl.constexpr, USE_TMA: tl.constexpr):
     """The grid's head axis runs over (batch, kv head); its tile axis over that kv head's key
@@ -187,19 +136,56 @@ def _attn_bwd(Q, K, V, dO, dQ, dK, dV, LSE, DELTA,
     DKDV_BLOCK_M where a dK/dV program streams them (each job has its best)."""
     tile, b_kv, tiles = program_tile_and_head(HEADS_FIRST)
     b, kv_head = b_kv // (H // GROUP), b_kv % (H // GROUP)
+    mask = (N_Q, N_K, left, right)
     key_tiles = tl.cdiv(N_K, BLOCK_N)
     if tile < key_tiles:
-        _dkdv(Q, K, V, dO, dK, dV, LSE, DELTA, stride_qb, stride_qh, stride_qn, stride_kb, stride_kh, stride_kn,
-              stride_vb, stride_vh, stride_vn, stride_dob, stride_doh, stride_don, stride_dkb, stride_dkh, stride_dkn,
-              stride_dvb, stride_dvh, stride_dvn, b, kv_head, tile * BLOCK_N, H, GROUP, N_Q, N_K, LEFT, RIGHT,
-              qk_scale, sm_scale, HEAD_DIM, BLOCK_D, BLOCK_N, DKDV_BLOCK_M, USE_TMA)
+        # The dK/dV job: the key tile from start_n of (b, kv_head).
+        start_n = tile * BLOCK_N
+        k_head = head_matrix(K, b, kv_head, stride_kb, stride_kh, stride_kn, N_K, HEAD_DIM, BLOCK_N, BLOCK_D, USE_TMA)
+        v_head = head_matrix(V, b, kv_head, stride_vb, stride_vh, stride_vn, N_K, HEAD_DIM, BLOCK_N, BLOCK_D, USE_TMA)
+        cols = start_n + tl.arange(0, BLOCK_N)
+        k_tile = load_tile(k_head, start_n, BLOCK_N, HEAD_DIM, BLOCK_D, USE_TMA)  # keys past N_K: zeros, never stored
+        v_tile = load_tile(v_head, start_n, BLOCK_N, HEAD_DIM, BLOCK_D, USE_TMA)
+        dk = tl.zeros([BLOCK_N, BLOCK_D], dtype=tl.float32)
+        dv = tl.zeros([BLOCK_N, BLOCK_D], dtype=tl.float32)
+        bounds = query_tile_bounds_tl(start_n, mask, DKDV_BLOCK_M, BLOCK_N)
+        for g in range(GROUP):  # a kv head's dK and dV add up the parts of every query head that reads it
+            h = kv_head * GROUP + g
+            q_head = head_matrix(Q, b, h, stride_qb, stride_qh, stride_qn, N_Q, HEAD_DIM, DKDV_BLOCK_M, BLOCK_D,
+                                 USE_TMA)
+            do_head = head_matrix(dO, b, h, stride_dob, stride_doh, stride_don, N_Q, HEAD_DIM, DKDV_BLOCK_M, BLOCK_D,
+                                  USE_TMA)
+            lse, delta = LSE + (b * H + h) * N_Q, DELTA + (b * H + h) * N_Q
+            dk, dv = _dkdv_query_tiles(dk, dv, k_tile, v_tile, cols, q_head, do_head, lse, delta, bounds, mask,
+                                       qk_scale, HEAD_DIM, DKDV_BLOCK_M, USE_TMA)
+        dk_head = head_matrix(dK, b, kv_head, stride_dkb, stride_dkh, stride_dkn, N_K, HEAD_DIM, BLOCK_N, BLOCK_D,
+                              USE_TMA)
+        dv_head = head_matrix(dV, b, kv_head, stride_dvb, stride_dvh, stride_dvn, N_K, HEAD_DIM, BLOCK_N, BLOCK_D,
+                              USE_TMA)
+        store_tile(dk_head, start_n, dk * sm_scale, BLOCK_N, HEAD_DIM, BLOCK_D, USE_TMA)
+        store_tile(dv_head, start_n, dv, BLOCK_N, HEAD_DIM, BLOCK_D, USE_TMA)
     else:
+        # The dQ job: the query tile from start_m of (b, h), with the forward's schedule.
         job = tile - key_tiles
         start_m = query_tile_start(job // GROUP, (tiles - key_tiles) // GROUP, BLOCK_M)
-        _dq(Q, K, V, dO, dQ, LSE, DELTA, stride_qb, stride_qh, stride_qn, stride_kb, stride_kh, stride_kn,
-            stride_vb, stride_vh, stride_vn, stride_dob, stride_doh, stride_don, stride_dqb, stride_dqh, stride_dqn,
-            b, kv_head * GROUP + job % GROUP, start_m, H, GROUP, N_Q, N_K, LEFT, RIGHT, qk_scale, sm_scale,
-            HEAD_DIM, BLOCK_D, BLOCK_M, BLOCK_N, USE_TMA)
+        h = kv_head * GROUP + job % GROUP
+        k_head = head_matrix(K, b, h // GROUP, stride_kb, stride_kh, stride_kn, N_K, HEAD_DIM, BLOCK_N, BLOCK_D,
+                             USE_TMA)
+        v_head = head_matrix(V, b, h // GROUP, stride_vb, stride_vh, stride_vn, N_K, HEAD_DIM, BLOCK_N, BLOCK_D,
+                             USE_TMA)
+        q_head = head_matrix(Q, b, h, stride_qb, stride_qh, stride_qn, N_Q, HEAD_DIM, BLOCK_M, BLOCK_D, USE_TMA)
+        do_head = head_matrix(dO, b, h, stride_dob, stride_doh, stride_don, N_Q, HEAD_DIM, BLOCK_M, BLOCK_D, USE_TMA)
+        rows = start_m + tl.arange(0, BLOCK_M)
+        q_tile = load_tile(q_head, start_m, BLOCK_M, HEAD_DIM, BLOCK_D, USE_TMA)
+        do_tile = load_tile(do_head, start_m, BLOCK_M, HEAD_DIM, BLOCK_D, USE_TMA)
+        lse = tl.load(LSE + (b * H + h) * N_Q + rows, mask=rows < N_Q, other=float("inf")) * LOG2_E  # base 2
+        delta = tl.load(DELTA + (b * H + h) * N_Q + rows, mask=rows < N_Q, other=0.0)
+        dq = tl.zeros([BLOCK_M, BLOCK_D], dtype=tl.float32)
+        bounds = key_tile_bounds_tl(start_m, mask, BLOCK_M, BLOCK_N)
+        dq = _dq_key_tiles(dq, q_tile, do_tile, lse, delta, rows, k_head, v_head, bounds, mask, qk_scale, HEAD_DIM,
+                           BLOCK_N, USE_TMA)
+        dq_head = head_matrix(dQ, b, h, stride_dqb, stride_dqh, stride_dqn, N_Q, HEAD_DIM, BLOCK_M, BLOCK_D, USE_TMA)
+        store_tile(dq_head, start_m, dq * sm_scale, BLOCK_M, HEAD_DIM, BLOCK_D, USE_TMA)
 
 
 def flash_backward(q, k, v, o, do, lse, is_causal=False, window_size=(-1, -1), config=None):

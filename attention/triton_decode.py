@@ -11,7 +11,7 @@ memory's. Two things keep the memory busy:
 
 _decode_split: one program per (batch, kv head, split). It stores the new token's k and v at
 row pos of the caches (the split whose range holds row pos does), then runs triton_forward.py's
-online softmax over the cached rows of its range that the window sees, [pos - LEFT, pos), in
+online softmax over the cached rows of its range that the window sees, [pos - left, pos), in
 tiles of BLOCK_N rows; the split holding row pos starts from the token's own key, already in
 registers. Every row it reads is below pos, the one it writes: the store needs no barrier. It
 writes a partial output o_split (normalised, float32) and its log-sum-exp lse_split; a split
@@ -43,7 +43,7 @@ def _decode_split(Q, K, V, K_CACHE, V_CACHE, O_SPLIT, LSE_SPLIT, POS,
                   stride_qb, stride_qh, stride_kb, stride_kh, stride_vb, stride_vh,
                   stride_kcb, stride_kch, stride_kcn, stride_vcb, stride_vch, stride_vcn,
                   stride_osb, stride_osh, stride_oss, stride_lsb, stride_lsh, stride_lss,
-                  H_KV, GROUP, N_CACHE, SPLIT_ROWS, LEFT, qk_scale,
+                  H_KV, GROUP, N_CACHE, SPLIT_ROWS, left, qk_scale,
                   HEAD_DIM: tl.constexpr, BLOCK_D: tl.constexpr, BLOCK_G: tl.constexpr, BLOCK_N: tl.constexpr):
     b = (tl.program_id(0) // H_KV).to(tl.int64)
     kv_head = (tl.program_id(0) % H_KV).to(tl.int64)
@@ -79,7 +79,7 @@ def _decode_split(Q, K, V, K_CACHE, V_CACHE, O_SPLIT, LSE_SPLIT, POS,
 
     # Then the cached keys of the split the window sees, [first, end), all below pos. Tiles are
     # whole tiles of the split (the twin's); those with no key in [first, end) are skipped.
-    first = tl.maximum(tl.maximum(pos - LEFT, 0), split_start)
+    first = tl.maximum(tl.maximum(pos - left, 0), split_start)
     end = tl.minimum(pos, split_end)
     for tile_start in range(first // BLOCK_N * BLOCK_N, end, BLOCK_N):
         rows = tile_start + tl.arange(0, BLOCK_N)

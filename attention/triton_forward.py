@@ -6,7 +6,7 @@ N_q x N_k score matrix never exists in memory. It writes O and the logsumexp lse
 
 The softmax runs in base 2 (exp2 is one instruction; log2(e) is folded into the scale), so
 m_i is a running max of base-2 logits. A program visits its key tiles in three runs
-(triton_tiles.key_tile_bounds): masked tiles at a window's left edge, full tiles with no mask,
+(masks.key_tile_bounds_tl): masked tiles at a window's left edge, full tiles with no mask,
 masked tiles at the diagonal, a window's right edge or the end of the keys. Tiles no row of the
 query tile sees are never loaded: a causal mask or a window is a bound on the loop.
 Grouped-query heads are an index map: query head h reads kv head h // GROUP.
@@ -18,11 +18,10 @@ import triton
 import triton.language as tl
 
 from .hopper import forward as hopper_forward
-from .eager import window_bounds
-from .launch import (INTERPRETING, as_4d, autotuned, descriptor_ready, head_dim_block, heads_first, new_like, program_grid,
-                     set_tma_scratch_allocator)
-from .triton_tiles import (LN_2, LOG2_E, head_matrix, key_tile_bounds, load_tile, program_tile_and_head,
-                           query_tile_start, store_tile, visible_in_tile)
+from .launch import (INTERPRETING, as_4d, autotuned, descriptor_ready, head_dim_block, heads_first, new_like,
+                     program_grid, set_tma_scratch_allocator)
+from .masks import key_tile_bounds_tl, visible_in_tile_tl, window_bounds
+from .triton_tiles import LN_2, LOG2_E, head_matrix, load_tile, program_tile_and_head, query_tile_start, store_tile
 
 
 @triton.jit
@@ -43,18 +42,21 @@ def online_softmax_update(acc, l_i, m_i, s, v_tile, qk_scale, MASKED: tl.constex
 
 
 @triton.jit
-def _key_tiles(acc, l_i, m_i, q_tile, K, V, stride_kn, stride_vn, start, end, rows, N_K, LEFT, RIGHT, qk_scale,
-               MASKED: tl.constexpr, HEAD_DIM: tl.constexpr, BLOCK_D: tl.constexpr, BLOCK_N: tl.constexpr,
-               USE_TMA: tl.constexpr):
-    """The online-softmax update over the key tiles from start to end."""
-    for tile_start in range(start, end, BLOCK_N):
-        k_tile = load_tile(K, tile_start, N_K, stride_kn, BLOCK_N, HEAD_DIM, BLOCK_D, USE_TMA)
-        s = tl.dot(q_tile, tl.trans(k_tile))  # raw scores, (BLOCK_M, BLOCK_N)
-        if MASKED:
-            cols = tile_start + tl.arange(0, BLOCK_N)
-            s = tl.where(visible_in_tile(rows[:, None], cols[None, :], N_K, LEFT, RIGHT), s, float("-inf"))
-        v_tile = load_tile(V, tile_start, N_K, stride_vn, BLOCK_N, HEAD_DIM, BLOCK_D, USE_TMA)
-        acc, l_i, m_i = online_softmax_update(acc, l_i, m_i, s, v_tile, qk_scale, MASKED)
+def _key_tiles(acc, l_i, m_i, q_tile, rows, k_head, v_head, bounds, mask, qk_scale,
+               HEAD_DIM: tl.constexpr, BLOCK_N: tl.constexpr, USE_TMA: tl.constexpr):
+    """The online-softmax update of query rows `rows` over the key tiles of bounds, (start,
+    full_start, full_end, end): a masked run, a full run, a masked run. The run is a compile-time
+    constant (static_range), so the full one compiles with no mask at all."""
+    BLOCK_D: tl.constexpr = q_tile.shape[1]
+    for run in tl.static_range(3):  # masked, full, masked
+        for tile_start in range(bounds[run], bounds[run + 1], BLOCK_N):
+            k_tile = load_tile(k_head, tile_start, BLOCK_N, HEAD_DIM, BLOCK_D, USE_TMA)
+            s = tl.dot(q_tile, tl.trans(k_tile))  # raw scores, (BLOCK_M, BLOCK_N)
+            if run != 1:
+                cols = tile_start + tl.arange(0, BLOCK_N)
+                s = tl.where(visible_in_tile_tl(rows[:, None], cols[None, :], mask), s, float("-inf"))
+            v_tile = load_tile(v_head, tile_start, BLOCK_N, HEAD_DIM, BLOCK_D, USE_TMA)
+            acc, l_i, m_i = online_softmax_update(acc, l_i, m_i, s, v_tile, qk_scale, run != 1)
     return acc, l_i, m_i
 
 
@@ -63,52 +65,54 @@ def forward_smem_rows(config):
     return [(config.kwargs["BLOCK_M"], 2 * config.kwargs["BLOCK_N"])]
 
 
-# (BLOCK_M, BLOCK_N, num_warps, num_stages, TMA), best first: the tuner times the first three that
-# fit. On the H200 each of the first three wins somewhere (64x128 TMA long D=64 sequences, 128x64
-# TMA D=128, 64x64 cp.async the model's); the last ones fit wide heads in 99 KB.
+# Best first: the tuner times the first three that fit the card (launch.fitting_configs). On the
+# H200 each of the first three wins somewhere; the last ones fit wide heads in 99 KB.
 FORWARD_CONFIGS = [
-    triton.Config({"BLOCK_M": bm, "BLOCK_N": bn, "USE_TMA": tma}, num_warps=w, num_stages=s)
-    for bm, bn, w, s, tma in [
-        (64, 128, 4, 2, True), (128, 64, 4, 2, True), (64, 64, 4, 3, False), (128, 64, 8, 3, False), (64, 64, 4, 2, True),
-        (64, 64, 4, 3, True), (128, 128, 4, 3, True), (128, 32, 4, 3, False), (64, 32, 4, 2, False),
-        (32, 16, 4, 2, False), (16, 16, 4, 2, False),
-    ]
+    triton.Config(dict(BLOCK_M=64, BLOCK_N=128, USE_TMA=True), num_warps=4, num_stages=2),  # long D=64 sequences
+    triton.Config(dict(BLOCK_M=128, BLOCK_N=64, USE_TMA=True), num_warps=4, num_stages=2),  # D=128
+    triton.Config(dict(BLOCK_M=64, BLOCK_N=64, USE_TMA=False), num_warps=4, num_stages=3),  # the model's
+    triton.Config(dict(BLOCK_M=128, BLOCK_N=64, USE_TMA=False), num_warps=8, num_stages=3),
+    triton.Config(dict(BLOCK_M=64, BLOCK_N=64, USE_TMA=True), num_warps=4, num_stages=2),
+    triton.Config(dict(BLOCK_M=64, BLOCK_N=64, USE_TMA=True), num_warps=4, num_stages=3),
+    triton.Config(dict(BLOCK_M=128, BLOCK_N=128, USE_TMA=True), num_warps=4, num_stages=3),
+    triton.Config(dict(BLOCK_M=128, BLOCK_N=32, USE_TMA=False), num_warps=4, num_stages=3),
+    triton.Config(dict(BLOCK_M=64, BLOCK_N=32, USE_TMA=False), num_warps=4, num_stages=2),
+    triton.Config(dict(BLOCK_M=32, BLOCK_N=16, USE_TMA=False), num_warps=4, num_stages=2),
+    triton.Config(dict(BLOCK_M=16, BLOCK_N=16, USE_TMA=False), num_warps=4, num_stages=2),
 ]
 
 
-@autotuned(FORWARD_CONFIGS, forward_smem_rows, key=["N_Q", "N_K", "H", "LEFT", "RIGHT", "HEAD_DIM"])
+@autotuned(FORWARD_CONFIGS, forward_smem_rows, key=["N_Q", "N_K", "H", "left", "right", "HEAD_DIM"])
 @triton.jit(do_not_specialize=["N_Q", "N_K"])
 def _attn_fwd(Q, K, V, O, LSE,
               stride_qb, stride_qh, stride_qn, stride_kb, stride_kh, stride_kn,
               stride_vb, stride_vh, stride_vn, stride_ob, stride_oh, stride_on,
-              H, GROUP, N_Q, N_K, LEFT, RIGHT, qk_scale,
+              H, GROUP, N_Q, N_K, left, right, qk_scale,
               HEAD_DIM: tl.constexpr, BLOCK_D: tl.constexpr, HEADS_FIRST: tl.constexpr,
               BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr, USE_TMA: tl.constexpr):
+    """One program: the query tile from start_m of (batch b, head h), against kv head h // GROUP."""
     tile, bh, tiles = program_tile_and_head(HEADS_FIRST)
     start_m = query_tile_start(tile, tiles, BLOCK_M)
     b, h = bh // H, bh % H
-    Q = head_matrix(Q, b, h, stride_qb, stride_qh, stride_qn, N_Q, HEAD_DIM, BLOCK_M, BLOCK_D, USE_TMA)
-    O = head_matrix(O, b, h, stride_ob, stride_oh, stride_on, N_Q, HEAD_DIM, BLOCK_M, BLOCK_D, USE_TMA)
-    K = head_matrix(K, b, h // GROUP, stride_kb, stride_kh, stride_kn, N_K, HEAD_DIM, BLOCK_N, BLOCK_D, USE_TMA)
-    V = head_matrix(V, b, h // GROUP, stride_vb, stride_vh, stride_vn, N_K, HEAD_DIM, BLOCK_N, BLOCK_D, USE_TMA)
+    q_head = head_matrix(Q, b, h, stride_qb, stride_qh, stride_qn, N_Q, HEAD_DIM, BLOCK_M, BLOCK_D, USE_TMA)
+    o_head = head_matrix(O, b, h, stride_ob, stride_oh, stride_on, N_Q, HEAD_DIM, BLOCK_M, BLOCK_D, USE_TMA)
+    k_head = head_matrix(K, b, h // GROUP, stride_kb, stride_kh, stride_kn, N_K, HEAD_DIM, BLOCK_N, BLOCK_D, USE_TMA)
+    v_head = head_matrix(V, b, h // GROUP, stride_vb, stride_vh, stride_vn, N_K, HEAD_DIM, BLOCK_N, BLOCK_D, USE_TMA)
 
     rows = start_m + tl.arange(0, BLOCK_M)
     m_i = tl.full([BLOCK_M], float("-inf"), dtype=tl.float32)
     l_i = tl.zeros([BLOCK_M], dtype=tl.float32)
     acc = tl.zeros([BLOCK_M, BLOCK_D], dtype=tl.float32)
-    q_tile = load_tile(Q, start_m, N_Q, stride_qn, BLOCK_M, HEAD_DIM, BLOCK_D, USE_TMA)
+    q_tile = load_tile(q_head, start_m, BLOCK_M, HEAD_DIM, BLOCK_D, USE_TMA)
 
-    start, full_start, full_end, end = key_tile_bounds(start_m, N_K, LEFT, RIGHT, BLOCK_M, BLOCK_N)
-    acc, l_i, m_i = _key_tiles(acc, l_i, m_i, q_tile, K, V, stride_kn, stride_vn, start, full_start, rows, N_K,
-                               LEFT, RIGHT, qk_scale, True, HEAD_DIM, BLOCK_D, BLOCK_N, USE_TMA)
-    acc, l_i, m_i = _key_tiles(acc, l_i, m_i, q_tile, K, V, stride_kn, stride_vn, full_start, full_end, rows, N_K,
-                               LEFT, RIGHT, qk_scale, False, HEAD_DIM, BLOCK_D, BLOCK_N, USE_TMA)
-    acc, l_i, m_i = _key_tiles(acc, l_i, m_i, q_tile, K, V, stride_kn, stride_vn, full_end, end, rows, N_K,
-                               LEFT, RIGHT, qk_scale, True, HEAD_DIM, BLOCK_D, BLOCK_N, USE_TMA)
+    mask = (N_Q, N_K, left, right)
+    bounds = key_tile_bounds_tl(start_m, mask, BLOCK_M, BLOCK_N)
+    acc, l_i, m_i = _key_tiles(acc, l_i, m_i, q_tile, rows, k_head, v_head, bounds, mask, qk_scale, HEAD_DIM, BLOCK_N,
+                               USE_TMA)
 
     # Normalise once, at the end. A row that saw no key keeps l_i = 0: O = 0, lse = -inf.
     l_safe = tl.where(l_i == 0.0, 1.0, l_i)
-    store_tile(O, start_m, N_Q, stride_on, acc / l_safe[:, None], BLOCK_M, HEAD_DIM, BLOCK_D, USE_TMA)
+    store_tile(o_head, start_m, acc / l_safe[:, None], BLOCK_M, HEAD_DIM, BLOCK_D, USE_TMA)
     lse = tl.where(l_i == 0.0, float("-inf"), (m_i + tl.log2(l_safe)) * LN_2)  # back to natural log
     tl.store(LSE + bh * N_Q + rows, lse, mask=rows < N_Q)
 

@@ -28,29 +28,28 @@ from .triton_forward import flash_forward
 
 
 @torch.library.custom_op("nanofa2::flash_forward", mutates_args=())
-def flash_forward_op(q: Tensor, k: Tensor, v: Tensor, is_causal: bool, window_left: int,
-                     window_right: int) -> tuple[Tensor, Tensor]:
+def flash_forward_op(q: Tensor, k: Tensor, v: Tensor, is_causal: bool, window_size: list[int]) -> tuple[Tensor, Tensor]:
     check_kernel_device(q)
     with kernels_may_load(q.device):
-        o, lse = flash_forward(q, k, v, is_causal, (window_left, window_right))
+        o, lse = flash_forward(q, k, v, is_causal, window_size)
     return o.view(q.shape), lse.view(q.shape[:-1])
 
 
 @flash_forward_op.register_fake
-def _(q, k, v, is_causal, window_left, window_right):
+def _(q, k, v, is_causal, window_size):
     return new_like(as_4d(q)).view(q.shape), q.new_empty(q.shape[:-1], dtype=torch.float32)
 
 
 @torch.library.custom_op("nanofa2::flash_backward", mutates_args=())
 def flash_backward_op(q: Tensor, k: Tensor, v: Tensor, o: Tensor, do: Tensor, lse: Tensor, is_causal: bool,
-                      window_left: int, window_right: int) -> tuple[Tensor, Tensor, Tensor]:
+                      window_size: list[int]) -> tuple[Tensor, Tensor, Tensor]:
     with kernels_may_load(q.device):
-        grads = flash_backward(q, k, v, o, do, lse, is_causal, (window_left, window_right))
+        grads = flash_backward(q, k, v, o, do, lse, is_causal, window_size)
     return tuple(g.view(t.shape) for g, t in zip(grads, (q, k, v)))
 
 
 @flash_backward_op.register_fake
-def _(q, k, v, o, do, lse, is_causal, window_left, window_right):
+def _(q, k, v, o, do, lse, is_causal, window_size):
     return tuple(new_like(as_4d(t)).view(t.shape) for t in (q, k, v))
 
 
@@ -62,9 +61,9 @@ class FlashAttentionTriton(torch.autograd.Function):
     def forward(ctx, Q, K, V, is_causal=False, window_size=(-1, -1)):
         check_inputs(Q, K, V, is_causal, window_size)
         check_triton_inputs(Q, K, V)
-        O, lse = flash_forward_op(Q, K, V, is_causal, *window_size)
+        O, lse = flash_forward_op(Q, K, V, is_causal, list(window_size))
         ctx.save_for_backward(Q, K, V, O, lse)
-        ctx.mask = (is_causal, tuple(window_size))
+        ctx.mask = (is_causal, list(window_size))
         return O
 
     @staticmethod
@@ -72,7 +71,7 @@ class FlashAttentionTriton(torch.autograd.Function):
         Q, K, V, O, lse = ctx.saved_tensors
         is_causal, window_size = ctx.mask
         with torch.no_grad():
-            grads = flash_backward_op(Q, K, V, O, dO, lse, is_causal, *window_size)
+            grads = flash_backward_op(Q, K, V, O, dO, lse, is_causal, window_size)
         return *first_order_only("triton", grads, (dO, Q, K, V)), None, None
 
 

@@ -6,7 +6,7 @@ An N_q x N_k score matrix in tile_m x tile_n tiles, causal (top) and with a slid
 WINDOW keys (bottom). Left, the forward and dQ: a program walks the key tiles along its query
 tile's row; right, dK/dV: one walks the query tiles down its key tile's column. Each tile is
 full, masked (it crosses the diagonal, the window's edge or the end) or skipped: a mask is a
-bound on the loop. The kinds come from attention/tile_bounds.py, the bounds the kernels use;
+bound on the loop. The kinds come from attention/masks.py, the bounds the kernels use;
 each panel's count of full, masked and skipped tiles is printed too.
 """
 import argparse
@@ -18,8 +18,7 @@ from matplotlib.figure import Figure
 from matplotlib.patches import Rectangle
 
 sys.path.insert(0, str(Path(__file__).resolve().parent.parent))  # the repo root, for `attention`
-from attention.eager import UNBOUNDED  # noqa: E402
-from attention.tile_bounds import key_tile_bounds, query_tile_bounds  # noqa: E402
+from attention.masks import UNBOUNDED, key_tile_bounds, query_tile_bounds  # noqa: E402
 
 N_Q, N_K, TILE_M, TILE_N = 176, 176, 32, 16  # lengths that end mid-tile, tiles that are not square
 WINDOW = 72
@@ -57,11 +56,11 @@ def main():
     q_program, k_program = 3 * TILE_M, 3 * TILE_N
     for (forward_ax, dkdv_ax), (left, mask) in zip(fig.subplots(2, 2), ((UNBOUNDED, "causal"),
                                                                        (WINDOW, f"window of {WINDOW} keys"))):
-        draw(forward_ax, lambda q, k: run(key_tile_bounds(q, N_K, left, 0, TILE_M, TILE_N), TILE_N).get(k, "skipped"),
+        draw(forward_ax, lambda q, k: run(key_tile_bounds(q, (N_Q, N_K, left, 0), TILE_M, TILE_N), TILE_N).get(k, "skipped"),
              (q_program, 0, TILE_M, N_K),
              f"{mask}; forward and dQ: a query tile\nwalks the key tiles (outlined: rows "
              f"{q_program}-{q_program + TILE_M - 1})")
-        draw(dkdv_ax, lambda q, k: run(query_tile_bounds(k, N_Q, left, 0, TILE_M, TILE_N), TILE_M).get(q, "skipped"),
+        draw(dkdv_ax, lambda q, k: run(query_tile_bounds(k, (N_Q, N_K, left, 0), TILE_M, TILE_N), TILE_M).get(q, "skipped"),
              (0, k_program, N_Q, TILE_N),
              f"{mask}; dK/dV: a key tile\nwalks the query tiles (outlined: keys {k_program}-"
              f"{k_program + TILE_N - 1})")

@@ -11,6 +11,7 @@ from pathlib import Path
 import pytest
 import torch
 
+import attention  # noqa: F401  (first: without a GPU it picks Triton's interpreter, before anything loads triton)
 from data.shakespeare.prepare import use_shared_data
 
 REPO = Path(__file__).resolve().parent.parent

@@ -6,18 +6,18 @@ it saves, the configs it may pick on a card, the Hopper kernels' entry rules, an
 On a CPU the Triton kernels run in Triton's interpreter; the tests marked gpu run on a GPU."""
 import pytest
 import torch
+import triton
 
 from attention import BACKENDS, FlashAttentionPytorch, FlashAttentionTriton, attention, launch
-from attention.eager import UNBOUNDED, eager_attention_with_lse
+from attention.eager import eager_attention_with_lse
 from attention.hopper import backward as hopper_backward
 from attention.hopper import common as hopper_common
 from attention.hopper import forward as hopper_forward
 from attention.launch import descriptor_ready, fitting_configs, shared_memory_bytes
+from attention.masks import UNBOUNDED
 from attention.tiled import tiled_forward
 from attention.triton_backward import BACKWARD_CONFIGS, _attn_bwd, backward_smem_rows, flash_backward
 from attention.triton_forward import FORWARD_CONFIGS, _attn_fwd, flash_forward, forward_smem_rows
-
-import triton  # noqa: E402, I001  (after attention, which decides whether Triton interprets)
 
 TOLERANCE = {torch.float64: 1e-10, torch.float32: 1e-4, torch.float16: 2e-2, torch.bfloat16: 4e-2}
 GPU_TOLERANCE = {torch.float32: 1e-2, torch.float16: 2e-2, torch.bfloat16: 4e-2}
@@ -346,7 +346,7 @@ def test_custom_ops_pass_opcheck():
     model's strided views (grouped, windowed) and on contiguous tensors."""
     leaf = torch.randn(1, 17, 8, 16)
     views = leaf.transpose(1, 2).split([4, 2, 2], dim=1)
-    for (q, k, v), mask in ((views, (True, 3, 0)), ([t.contiguous() for t in views], (False, -1, -1))):
+    for (q, k, v), mask in ((views, (True, [3, 0])), ([t.contiguous() for t in views], (False, [-1, -1]))):
         torch.library.opcheck(torch.ops.nanofa2.flash_forward, (q, k, v, *mask))
         o, lse = torch.ops.nanofa2.flash_forward(q, k, v, *mask)
         torch.library.opcheck(torch.ops.nanofa2.flash_backward, (q, k, v, o, torch.randn_like(o), lse, *mask))
@@ -478,16 +478,28 @@ def test_kernels_load_inside_a_capture_in_relaxed_mode_and_the_threads_mode_come
         assert thread_mode == [0]
 
 
-def test_triton_imported_first_still_interprets_on_the_cpu():
-    """Importing triton before attention (torch.compile's machinery does) must not leave
-    triton.language's own helpers compiled while the kernels are interpreted."""
+def test_the_interpreter_is_chosen_before_triton_loads():
+    """Triton reads TRITON_INTERPRET as it defines its own helpers, when triton is imported. On a
+    CPU, importing attention first chooses the interpreter; a program that imports triton first
+    (torch.compile's machinery does) chooses it itself, or the Triton backends refuse in one line
+    naming the fix while the others run."""
+    import os
     import subprocess
     import sys
-    code = ("import triton, torch\nfrom attention import attention\nq = torch.randn(1, 2, 20, 16)\n"
-            "print(torch.allclose(attention(q, q, q, True, 'triton'), attention(q, q, q, True, 'eager'), atol=1e-5))")
-    out = subprocess.run([sys.executable, "-W", "ignore", "-c", code], capture_output=True, text=True, check=True,
-                         cwd=__import__("conftest").REPO)
-    assert out.stdout.strip() == "True"
+
+    def run(imports, **env):
+        code = (f"{imports}\nq = torch.randn(1, 2, 20, 16)\no = attention(q, q, q, True, 'eager')\n"
+                "print(torch.allclose(attention(q, q, q, True, 'triton'), o, atol=1e-5))")
+        env = {**{name: value for name, value in os.environ.items() if name != "TRITON_INTERPRET"}, **env}
+        return subprocess.run([sys.executable, "-W", "ignore", "-c", code], env=env, capture_output=True, text=True,
+                              cwd=__import__("conftest").REPO)
+
+    assert run("from attention import attention\nimport triton, torch").stdout.strip() == "True"
+    assert run("import triton, torch\nfrom attention import attention", TRITON_INTERPRET="1").stdout.strip() == "True"
+    refused = run("import triton, torch\nfrom attention import attention")
+    assert refused.returncode != 0 and refused.stderr.strip().splitlines()[-1].startswith(
+        "ValueError: q is a CPU tensor but Triton was loaded to compile for a GPU: to run the Triton kernels on the "
+        "CPU, set TRITON_INTERPRET=1 before anything imports triton"), refused.stderr[-2000:]
 
 
 def test_the_consumer_card_switch(tmp_path):

@@ -19,7 +19,7 @@ import torch
 
 from attention import BACKENDS, decode_attention, store_in_cache, triton_decode
 from attention.decode import cached_keys, tiled_decode_splits, tiled_split_kv_decode
-from attention.eager import window_bounds
+from attention.masks import window_bounds
 from attention.launch import ADA_SHARED_MEMORY_BYTES, head_dim_block
 from conftest import REPO
 from model import GPT, GPTConfig, sample_next_token

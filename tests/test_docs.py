@@ -278,9 +278,9 @@ def test_chapter_2_without_the_rescale_every_shape_of_several_key_tiles_fails(tm
 
 def test_chapter_3_without_tile_skipping_the_masks_still_hold_and_nothing_is_skipped(tmp_path):
     original = shell(f"python docs/causal_tiles.py --out={tmp_path / 'before.png'}", REPO)
-    copy = Exercise(3, [("attention/tile_bounds.py", "    q_last = q_start + tile_m - 1\n    return tile_run(",
-                         "    return 0, 0, 0, n_k\n    q_last = q_start + tile_m - 1\n    return tile_run(")],
-                    ("`return 0, 0, 0, n_k`", "`test_the_kernels_bounds_are_their_twins`", "0 skipped",
+    copy = Exercise(3, [("attention/masks.py", "    _, n_k, left, right = mask\n    q_last = q_start + tile_m - 1\n",
+                         "    return 0, 0, 0, mask[1]\n    _, n_k, left, right = mask\n    q_last = q_start + tile_m - 1\n")],
+                    ("`return 0, 0, 0, mask[1]`", "`test_the_kernels_bounds_are_their_twins`", "0 skipped",
                      "25 of 66 causal and 34 windowed")).apply(tmp_path / "copy")
     assert pytest_in(copy, learn_command('pytest tests/test_attention.py -k "tiled and reference"')).returncode == 0
     bounds = shell("pytest tests/test_tiled.py -k bounds -x -n 0 -p no:cacheprovider", copy)
@@ -341,9 +341,9 @@ def test_chapter_7_eager_and_tiled_train_to_the_same_losses(tmp_path):
 
 
 def test_chapter_8_a_config_too_big_for_some_head_dims_is_pruned_and_its_shared_memory_printed(tmp_path):
-    copy = Exercise(8, [("attention/triton_forward.py", "        (64, 128, 4, 2, True), (128, 64, 4, 2, True),",
-                         "        (128, 128, 8, 3, False), (64, 128, 4, 2, True), (128, 64, 4, 2, True),")],
-                    ("`(128, 128, 8, 3, False)`", "81,920 bytes at head dim 64 in bf16", "101,376")).apply(tmp_path)
+    config = "triton.Config(dict(BLOCK_M=128, BLOCK_N=128, USE_TMA=False), num_warps=8, num_stages=3),"
+    copy = Exercise(8, [("attention/triton_forward.py", "FORWARD_CONFIGS = [\n", f"FORWARD_CONFIGS = [\n    {config}\n")],
+                    (f"`{config}`", "81,920 bytes at head dim 64 in bf16", "101,376")).apply(tmp_path)
     ran = pytest_in(copy, learn_command('pytest tests/test_attention.py -k "consumer or hopper_keeps or short_sequences"'))
     assert ran.returncode == 0, ran.stdout[-3000:]
     # The script goes on to compile every kernel (minutes; test_triton_configs runs all of it): its first line will do.

@@ -3,14 +3,13 @@ model trains alike on every backend), the q/k/v views handed to attention, one c
 the configuration checks, sampling."""
 import pytest
 import torch
+from functorch.compile import make_boxed_func
+from torch._dynamo.backends.common import aot_autograd
 
 import model as model_module
 from attention import BACKENDS
 from model import GPT, GPTConfig
 from test_kv_cache import GQA_WINDOW
-# These import triton: after attention, which picks the interpreter on a machine without a GPU.
-from functorch.compile import make_boxed_func  # noqa: E402
-from torch._dynamo.backends.common import aot_autograd  # noqa: E402
 
 
 def small_gpt(attn="eager", seed=0, **overrides):

@@ -1,23 +1,19 @@
 """The tiled PyTorch FlashAttention (tiled.py, tiled_backward.py) with tiles of every shape, and
-the tile bounds it shares with the Triton kernels: tile_bounds.py's rules against eager's mask
-(a skipped tile holds no visible pair, a full one only visible pairs), and triton_tiles.py's
-@triton.jit helpers against tile_bounds.py, number for number. Every backend's default path is
-in test_attention.py; here the tiles are small and rectangular (tile_m != tile_n), so many tiles
-cross the diagonal and a window's edges, and sequences end mid-tile."""
+the tile bounds it shares with the kernels: masks.py's rules against the mask itself (a skipped
+tile holds no visible pair, a full one only visible pairs), and their Triton and Gluon twins
+against them, number for number. Every backend's default path is in test_attention.py; here the
+tiles are small and rectangular (tile_m != tile_n), so many tiles cross the diagonal and a
+window's edges, and sequences end mid-tile."""
 import pytest
 import torch
+import triton
+import triton.language as tl
 
-from attention import FlashAttentionPytorch
-from attention.eager import visible_keys, window_bounds
-from attention.tile_bounds import key_tile_bounds, query_tile_bounds
+from attention import FlashAttentionPytorch, masks
+from attention.masks import UNBOUNDED, key_tile_bounds, query_tile_bounds, visible_keys, window_bounds
 from attention.tiled import tiled_forward
 from attention.tiled_backward import tiled_backward
-from attention.triton_tiles import key_tile_bounds as kernel_key_tile_bounds
-from attention.triton_tiles import query_tile_bounds as kernel_query_tile_bounds
 from test_attention import TOLERANCE, assert_all_close, random_qkv, reference
-
-import triton  # noqa: E402, I001  (after attention, which decides whether Triton interprets)
-import triton.language as tl  # noqa: E402
 
 TILES = [(16, 8), (8, 16), (7, 13), (1, 5), (64, 64)]
 MASKS = [(True, (-1, -1)), (False, (-1, -1)), (True, (5, 0)), (False, (0, 3)), (False, (12, 20)), (True, (0, 0))]
@@ -71,17 +67,18 @@ def test_tile_sizes_must_be_positive_ints(bad):
         FlashAttentionPytorch.apply(q, k, v, True, (-1, -1), 8, bad)
 
 
-def classify(n_q, n_k, left, right, tile_m, tile_n, pass_):
+def classify(mask, tile_m, tile_n, pass_):
     """{(query tile start, key tile start): "full" | "masked"} for the tiles one pass visits."""
+    n_q, n_k, _, _ = mask
     visits = {}
     if pass_ == "forward":  # and the dQ pass: each query tile walks key tiles
         for q_start in range(0, n_q, tile_m):
-            start, full_start, full_end, end = key_tile_bounds(q_start, n_k, left, right, tile_m, tile_n)
+            start, full_start, full_end, end = key_tile_bounds(q_start, mask, tile_m, tile_n)
             for k_start in range(start, end, tile_n):
                 visits[q_start, k_start] = "full" if full_start <= k_start < full_end else "masked"
     else:  # the dK/dV pass: each key tile walks query tiles
         for k_start in range(0, n_k, tile_n):
-            start, full_start, full_end, end = query_tile_bounds(k_start, n_q, left, right, tile_m, tile_n)
+            start, full_start, full_end, end = query_tile_bounds(k_start, mask, tile_m, tile_n)
             for q_start in range(start, end, tile_m):
                 visits[q_start, k_start] = "full" if full_start <= q_start < full_end else "masked"
     return visits
@@ -94,10 +91,13 @@ def classify(n_q, n_k, left, right, tile_m, tile_n, pass_):
 def test_tile_bounds_agree_with_the_mask(tile_m, tile_n, n_q, n_k, is_causal, window_size, pass_):
     """Every tile holding a visible (query, key) pair is visited; a full tile holds only visible
     pairs, and in the forward no key past n_k (it would add to the softmax; the dK/dV pass only
-    drops those keys' rows); a skipped tile holds none. The mask is eager's."""
+    drops those keys' rows); a skipped tile holds none. The mask is the definition's, i - left <=
+    j <= i + right, written here apart from masks.py's."""
     left, right = window_bounds(is_causal, window_size)
-    visible = visible_keys(n_q, n_k, left, right)
-    visits = classify(n_q, n_k, left, right, tile_m, tile_n, pass_)
+    i, j = torch.arange(n_q)[:, None], torch.arange(n_k)[None, :]
+    visible = (j >= i - left) & (j <= i + right)
+    assert torch.equal(visible, visible_keys((n_q, n_k, left, right)))
+    visits = classify((n_q, n_k, left, right), tile_m, tile_n, pass_)
     for q_start in range(0, n_q, tile_m):
         for k_start in range(0, n_k, tile_n):
             tile = visible[q_start:q_start + tile_m, k_start:k_start + tile_n]
@@ -109,35 +109,73 @@ def test_tile_bounds_agree_with_the_mask(tile_m, tile_n, n_q, n_k, is_causal, wi
 
 
 @triton.jit
-def _bounds_probe(OUT, START, N_Q, N_K, LEFT, RIGHT, BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr):
-    """triton_tiles' two bound rules for the tile starting at START[i], written to OUT[i, :8]."""
+def _bounds_probe(OUT, START, N_Q, N_K, left, right, BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr):
+    """The Triton twins of the two bound rules for the tile starting at START[i], written to
+    OUT[i, :8]."""
     i = tl.program_id(0)
     start = tl.load(START + i)
-    key_bounds = kernel_key_tile_bounds(start, N_K, LEFT, RIGHT, BLOCK_M, BLOCK_N)
-    query_bounds = kernel_query_tile_bounds(start, N_Q, LEFT, RIGHT, BLOCK_M, BLOCK_N)
+    mask = (N_Q, N_K, left, right)
+    key_bounds = masks.key_tile_bounds_tl(start, mask, BLOCK_M, BLOCK_N)
+    query_bounds = masks.query_tile_bounds_tl(start, mask, BLOCK_M, BLOCK_N)
     for j in tl.static_range(4):
         tl.store(OUT + i * 8 + j, key_bounds[j])
         tl.store(OUT + i * 8 + 4 + j, query_bounds[j])
+
+
+@triton.jit
+def _visible_probe(OUT, N_Q, N_K, left, right, BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr):
+    """The Triton twin of visible_in_tile over the whole (BLOCK_M, BLOCK_N) grid of pairs."""
+    rows, cols = tl.arange(0, BLOCK_M), tl.arange(0, BLOCK_N)
+    seen = masks.visible_in_tile_tl(rows[:, None], cols[None, :], (N_Q, N_K, left, right))
+    tl.store(OUT + rows[:, None] * BLOCK_N + cols[None, :], seen.to(tl.int32))
 
 
 @pytest.mark.parametrize("is_causal,window_size", MASKS + [(False, (300, 2))])
 @pytest.mark.parametrize("n_q,n_k", [(37, 53), (90, 12), (200, 200)])
 @pytest.mark.parametrize("tile_m,tile_n", [(16, 32), (64, 16), (32, 32)])
 def test_the_kernels_bounds_are_their_twins(tile_m, tile_n, n_q, n_k, is_causal, window_size):
-    """triton_tiles.key_tile_bounds and query_tile_bounds, run in a kernel, give tile_bounds.py's
-    numbers at every tile start."""
-    left, right = window_bounds(is_causal, window_size)
+    """masks.key_tile_bounds_tl and query_tile_bounds_tl, run in a kernel, give the Python
+    rules' numbers at every tile start, and visible_in_tile_tl the mask itself."""
+    mask = (n_q, n_k, *window_bounds(is_causal, window_size))
     starts = torch.arange(0, max(n_q, n_k) + tile_m, 16, dtype=torch.int32)
     out = torch.empty(len(starts), 8, dtype=torch.int32)
-    _bounds_probe[(len(starts),)](out, starts, n_q, n_k, left, right, BLOCK_M=tile_m, BLOCK_N=tile_n)
+    _bounds_probe[(len(starts),)](out, starts, *mask, BLOCK_M=tile_m, BLOCK_N=tile_n)
     for start, row in zip(starts.tolist(), out.tolist()):
-        twins = (*key_tile_bounds(start, n_k, left, right, tile_m, tile_n),
-                 *query_tile_bounds(start, n_q, left, right, tile_m, tile_n))
+        twins = (*key_tile_bounds(start, mask, tile_m, tile_n), *query_tile_bounds(start, mask, tile_m, tile_n))
         assert tuple(row) == twins, f"tile start {start}"
+    seen = torch.empty(256, 256, dtype=torch.int32)
+    _visible_probe[(1,)](seen, *mask, BLOCK_M=256, BLOCK_N=256)
+    assert torch.equal(seen[:n_q, :].bool(), masks.tile_mask(0, n_q, 0, 256, mask))
+
+
+@pytest.mark.parametrize("is_causal", [True, False])
+@pytest.mark.parametrize("n_q,n_k", [(37, 53), (90, 12), (200, 200), (1, 1), (300, 129)])
+@pytest.mark.parametrize("rows,block", [(128, 64), (128, 128), (64, 256), (64, 128)])
+def test_the_gluon_tile_rules_are_the_masks(rows, block, n_q, n_k, is_causal):
+    """The Hopper kernels' rules (causal or no mask, counted in tiles) give key_tile_bounds' and
+    query_tile_bounds' runs, and visible_in_tile_gl the mask, at every tile start. Gluon runs
+    only on a Hopper card; the plain Python functions the rules are built from (.fn) run here."""
+    mask = (n_q, n_k, UNBOUNDED, 0 if is_causal else UNBOUNDED)
+    for start_m in range(0, n_q, rows):  # the forward: a query tile of `rows` rows, key tiles of `block`
+        n_full, n_tiles = masks.key_tile_counts_gl.fn(start_m, n_k, is_causal, rows, block)
+        start, full_start, full_end, end = key_tile_bounds(start_m, mask, rows, block)
+        assert (start, full_start, full_end, -(-end // block)) == (0, 0, n_full * block, n_tiles), start_m
+    for start_n in range(0, n_k + 2 * rows, block):  # the backward: a key tile of `block` keys, query tiles of `rows`
+        first, masked_end, last = masks.query_tile_counts_gl.fn(start_n, n_q, is_causal, rows, block)
+        start, full_start, full_end, end = query_tile_bounds(start_n, mask, rows, block)
+        assert first <= masked_end <= last, start_n
+        if start < end:  # visited at all: the same run (past the last query, the counts stay ordered instead)
+            assert (first * rows, masked_end * rows, last * rows, -(-end // rows)) == \
+                (start, full_start, full_end, last), start_n
+        else:
+            assert first == masked_end == last, start_n
+    rows_, cols_ = torch.arange(n_q)[:, None], torch.arange(n_k + 7)[None, :]
+    seen = masks.visible_in_tile_gl.fn(rows_, cols_, n_k, is_causal).broadcast_to(n_q, n_k + 7)
+    assert torch.equal(seen, masks.visible_in_tile(rows_, cols_, mask))
 
 
 def test_causal_tiles_figure_is_drawn(tmp_path):
-    """docs/causal_tiles.py, which draws the tiles from tile_bounds, runs from anywhere."""
+    """docs/causal_tiles.py, which draws the tiles from masks.py, runs from anywhere."""
     import subprocess
     import sys
     from pathlib import Path

@@ -175,7 +175,7 @@ def test_resume_with_a_different_model_shape_is_a_clear_error(trained_out_dir, t
     shutil.copy(trained_out_dir / "ckpt.pt", tmp_path / "out" / "ckpt.pt")
     result = run_script("train.py", *tiny_args, "--init_from=resume", "--n_layer=3", "--n_embd=96")
     assert result.returncode == 1
-    assert "different shape (n_layer=2 there, 3 here; n_embd=64 there, 96 here)" in result.stderr
+    assert "different shape or window (n_layer=2 there, 3 here; n_embd=64 there, 96 here)" in result.stderr
     assert "Traceback" not in result.stderr
     assert not (tmp_path / "out" / "metrics.jsonl").exists()
 

@@ -1,6 +1,8 @@
 """Every tile config the code can pick on the 12 GB target card (RTX 4070 Super, sm_89) fits
 its 99 KB of shared memory, and every one it can pick on Hopper (sm_90, TMA) fits that card's
-227 KB; every kernel compiles for both, the Hopper-only Gluon kernels (attention/hopper/) included.
+227 KB; every kernel compiles for both, the Hopper-only Gluon kernels (attention/hopper/)
+included. And the kernels read like Triton's tutorials: no helper a kernel calls takes more
+than 16 parameters.
 
 Triton compiles for a GPU target without a GPU; the compiler reports the shared memory each
 kernel allocates. The prune in attention/launch.py keeps a config when its estimate fits; this
@@ -10,9 +12,14 @@ the kernels through the interpreter; as a script it prints a JSON line per kerne
 
     python tests/test_triton_configs.py
 """
+import ast
+import importlib
+import inspect
 import json
 import os
+import pkgutil
 import sys
+import textwrap
 
 if __name__ == "__main__":  # a script: kernels compiled for GPU targets (never interpreted), the repo importable
     os.environ["TRITON_INTERPRET"] = "0"
@@ -140,6 +147,44 @@ def test_gluon_kernels_compile_for_hopper(compiled, module, kernel):
     assert [(r["head_dim"], r["is_causal"]) for r in compiled["hopper_gluon"][kernel]] == list(module.TILES)
     for r in compiled["hopper_gluon"][kernel]:
         assert r["shared"] <= HOPPER_SHARED_MEMORY_BYTES, r
+
+
+def python_function(kernel):
+    """The Python function under a @triton.jit, @gluon.jit or triton.autotune object."""
+    while not inspect.isfunction(kernel):
+        kernel = kernel.fn
+    return kernel
+
+
+def called_jit_functions():
+    """{name: Python function} of every @triton.jit and @gluon.jit function of the attention
+    package that another one calls (or hands to gl.warp_specialize): all but the kernels the
+    host launches."""
+    import attention
+    from triton.runtime.jit import KernelInterface
+
+    called = {}
+    for info in pkgutil.walk_packages(attention.__path__, "attention."):
+        for obj in vars(importlib.import_module(info.name)).values():
+            if not isinstance(obj, KernelInterface) or python_function(obj).__module__ != info.name:
+                continue
+            caller = python_function(obj)
+            for node in ast.walk(ast.parse(textwrap.dedent(inspect.getsource(caller)))):
+                callee = caller.__globals__.get(node.id) if isinstance(node, ast.Name) else None
+                if isinstance(callee, KernelInterface):
+                    called[f"{python_function(callee).__module__}.{node.id}"] = python_function(callee)
+    return called
+
+
+def test_no_kernel_helper_takes_more_than_16_parameters():
+    """A kernel offsets its pointers once and hands its helpers what they need: a head's matrix,
+    a mask, a bundle of buffers (tuples), not every stride and constant one by one."""
+    called = called_jit_functions()
+    assert {"attention.masks.key_tile_bounds_tl", "attention.triton_forward.online_softmax_update",
+            "attention.hopper.backward._query_tiles"} <= set(called)  # the search finds the helpers
+    too_many = {name: len(inspect.signature(fn).parameters) for name, fn in called.items()
+                if len(inspect.signature(fn).parameters) > 16}
+    assert not too_many, f"helpers with more than 16 parameters: {too_many}"
 
 
 if __name__ == "__main__":

@@ -2,7 +2,7 @@
 
     forward.py   the forward, warp-specialised and persistent: a TMA load warp, two softmax warpgroups
     backward.py  the backward, warp-specialised: dQ summed by TMA's reduce-add
-    common.py    what they share: when they serve, TMA descriptors, the load ring, the causal tile rules
+    common.py    what they share: when they serve, TMA descriptors, the load ring (their tile rules: masks.py)
 
 triton_forward.flash_forward and triton_backward.flash_backward ask serves() first and send a call
 here only where these kernels measured faster than the plain Triton kernels on the H200: 16-bit,

@@ -39,9 +39,9 @@ from triton.experimental.gluon.language.nvidia.hopper import (fence_async_shared
                                                              warpgroup_mma_wait)
 
 from ..launch import GRID_Y_LIMIT, set_tma_scratch_allocator
+from ..masks import query_tile_counts_gl
 from ..triton_tiles import LOG2_E
-from .common import (hopper_entry, load_into_ring, query_tile_counts, ring_slot, tensor_matrices, tma_load,
-                     tma_store)
+from .common import hopper_entry, load_into_ring, ring_slot, tensor_matrices, tma_load, tma_store
 
 # The (head dim, causal) calls this kernel measured faster on, and its constants for each:
 # BLOCK_N keys per MMA warpgroup (the program's key tile is twice that), BLOCK_M query rows per
@@ -79,16 +79,22 @@ def serves(q, k, left, right):
             and not torch.are_deterministic_algorithms_enabled())
 
 
-# Each partition reads its tile sizes off the shapes of its shared-memory buffers; its other
-# constants (IS_CAUSAL, HALF) stay compile-time as written in the warp_specialize call.
+# The partitions share their shared memory as three bundles, each a tuple (as Triton's Gluon
+# tutorials pass theirs): key_smem = (k_smem, v_smem, k_ready, v_ready), the program's key tile,
+# both halves of K and of V in one buffer each, and each half's mbarrier; ring = (q_bufs, do_bufs,
+# q_ready, do_ready, qdo_empty), the ring of Q and dO tiles (common.load_into_ring); dq_bufs =
+# (ds_smem, dq_smem, ds_ready, ds_free), dQ's product: both warpgroups' dS^T, their dQ staging
+# buffers, and the mbarriers of dS^T. Each partition reads its tile sizes off the shapes of its
+# buffers; its other constants (IS_CAUSAL, HALF) stay compile-time as written in the
+# warp_specialize call.
 
 @gluon.jit
-def _load_partition(Q, K, V, dO, k_smem, v_smem, q_bufs, do_bufs, k_ready, v_ready, q_ready, do_ready, qdo_empty,
-                    H, N_Q, IS_CAUSAL: gl.constexpr):
+def _load_partition(Q, K, V, dO, key_smem, ring, H, N_Q, IS_CAUSAL: gl.constexpr):
     """One warp: the key tile's two halves of K and V, then every query tile that sees them, the
     last first: the i-th (from 0) one's Q and dO into ring slot i % STAGES."""
+    k_smem, v_smem, k_ready, v_ready = key_smem
     BLOCK_N: gl.constexpr = k_smem.shape[2] // 2
-    BLOCK_M: gl.constexpr = q_bufs.shape[3]
+    BLOCK_M: gl.constexpr = ring[0].shape[3]
     bh = gl.program_id(1)
     b = bh // H
     h = bh % H
@@ -100,18 +106,24 @@ def _load_partition(Q, K, V, dO, k_smem, v_smem, q_bufs, do_bufs, k_ready, v_rea
         mbarrier.expect(v_ready.index(half), V.block_type.nbytes)
         tma_load(V, [b, h, start_n + half * BLOCK_N, 0], v_ready.index(half),
                  v_smem.slice(half * BLOCK_N, BLOCK_N, dim=2))
-    first, _, last = query_tile_counts(start_n, N_Q, IS_CAUSAL, BLOCK_M, 2 * BLOCK_N)
+    first, _, last = query_tile_counts_gl(start_n, N_Q, IS_CAUSAL, BLOCK_M, 2 * BLOCK_N)
     for i in range(0, last - first):
-        load_into_ring(Q, dO, q_bufs, do_bufs, q_ready, do_ready, qdo_empty, i, b, h, (last - 1 - i) * BLOCK_M)
+        load_into_ring(Q, dO, ring, i, b, h, (last - 1 - i) * BLOCK_M)
 
 
 @gluon.jit
-def _query_tiles(dk, dv, k_tile, v_tile, k_cols, q_bufs, do_bufs, ds_smem, dq_smem, q_ready, do_ready, qdo_empty,
-                 ds_ready, ds_free, LSE, DQ, DELTA, b, h, keys, begin, end, i_begin, N_Q, qk_scale, sm_scale,
-                 HALF: gl.constexpr, MASKED: gl.constexpr, s_layout: gl.constexpr, acc_layout: gl.constexpr):
-    """One MMA warpgroup over query tiles [begin, end), the last first, the program's i_begin-th
-    to stream (_load_partition's order): dK and dV of its half of the keys, and dQ's columns
-    HALF of the program's whole key tile, reduced into DQ."""
+def _query_tiles(dk, dv, key_tile, ring, dq_bufs, LSE, DQ, DELTA, b, h, run, N_Q, qk_scale, sm_scale,
+                 HALF: gl.constexpr, MASKED: gl.constexpr):
+    """One MMA warpgroup over the query tiles of run = (begin, end, i_begin), [begin, end), the last
+    first, the program's i_begin-th to stream (_load_partition's order): dK and dV of its half of
+    the keys, key_tile = (k_tile, v_tile, k_cols, keys), and dQ's columns HALF of the program's
+    whole key tile (k_cols), reduced into DQ."""
+    k_tile, v_tile, k_cols, keys = key_tile
+    q_bufs, do_bufs, q_ready, do_ready, qdo_empty = ring
+    ds_smem, dq_smem, ds_ready, ds_free = dq_bufs
+    begin, end, i_begin = run
+    s_layout: gl.constexpr = keys.type.layout.parent
+    acc_layout: gl.constexpr = dk.type.layout
     BLOCK_M: gl.constexpr = q_bufs.shape[3]
     HEAD_DIM: gl.constexpr = q_bufs.shape[4]
     BLOCK_N: gl.constexpr = k_tile.shape[0]
@@ -143,7 +155,9 @@ def _query_tiles(dk, dv, k_tile, v_tile, k_cols, q_bufs, do_bufs, ds_smem, dq_sm
         s_t = warpgroup_mma_wait(num_outstanding=1, deps=(s_t,))  # they retire in order: S^T is done
         lse = gl.convert_layout(lse_rows, gl.SliceLayout(0, s_layout)) * LOG2_E
         p_t = gl.exp2(s_t * qk_scale - lse[None, :])
-        if MASKED:  # causal, a tile that crosses the diagonal: row i sees key j iff j <= i
+        # Causal, a tile that crosses the diagonal: masks.visible_in_tile_gl's diagonal alone, as a
+        # key past N_K needs no mask here (a zero row of K and V; its dK and dV are never stored).
+        if MASKED:
             cols = m * BLOCK_M + gl.arange(0, BLOCK_M, layout=gl.SliceLayout(0, s_layout))
             p_t = gl.where(keys[:, None] <= cols[None, :], p_t, 0.0)
         delta = gl.convert_layout(delta_rows, gl.SliceLayout(0, s_layout))
@@ -174,14 +188,15 @@ def _query_tiles(dk, dv, k_tile, v_tile, k_cols, q_bufs, do_bufs, ds_smem, dq_sm
 
 
 @gluon.jit
-def _mma_partition(dK, dV, LSE, DQ, DELTA, k_smem, v_smem, q_bufs, do_bufs, ds_smem, dq_smem, k_ready, v_ready,
-                   q_ready, do_ready, qdo_empty, ds_ready, ds_free, H, N_Q, qk_scale, sm_scale,
+def _mma_partition(dK, dV, LSE, DQ, DELTA, key_smem, ring, dq_bufs, H, N_Q, qk_scale, sm_scale,
                    IS_CAUSAL: gl.constexpr, HALF: gl.constexpr):
     """One warpgroup: dK and dV of keys [start_n + HALF * BLOCK_N, + BLOCK_N) and its columns of
     dQ, over every query tile that sees the program's key tile; then dK and dV's store."""
+    k_smem, v_smem, k_ready, v_ready = key_smem
+    _, _, _, ds_free = dq_bufs
     BLOCK_N: gl.constexpr = k_smem.shape[2] // 2
     HEAD_DIM: gl.constexpr = k_smem.shape[3]
-    BLOCK_M: gl.constexpr = q_bufs.shape[3]
+    BLOCK_M: gl.constexpr = ring[0].shape[3]
     # Where wgmma leaves its results: 4 warps down the rows, instructions 16 rows by a tile's width.
     s_layout: gl.constexpr = gl.NVMMADistributedLayout(version=[3, 0], warps_per_cta=[4, 1],
                                                        instr_shape=[16, BLOCK_M, 16])
@@ -199,19 +214,18 @@ def _mma_partition(dK, dV, LSE, DQ, DELTA, k_smem, v_smem, q_bufs, do_bufs, ds_s
     k_tile = k_all.slice(HALF * BLOCK_N, BLOCK_N, dim=0)
     v_tile = v_smem.reshape([2 * BLOCK_N, HEAD_DIM]).slice(HALF * BLOCK_N, BLOCK_N, dim=0)
     k_cols = k_all.slice(HALF * (HEAD_DIM // 2), HEAD_DIM // 2, dim=1)  # dQ's product: both halves' keys
-    first, unmasked, last = query_tile_counts(start_n, N_Q, IS_CAUSAL, BLOCK_M, 2 * BLOCK_N)
+    first, unmasked, last = query_tile_counts_gl(start_n, N_Q, IS_CAUSAL, BLOCK_M, 2 * BLOCK_N)
     dk = gl.zeros([BLOCK_N, HEAD_DIM], gl.float32, acc_layout)
     dv = gl.zeros([BLOCK_N, HEAD_DIM], gl.float32, acc_layout)
     mbarrier.wait(k_ready.index(0), 0)  # each is used once: phase 0
     mbarrier.wait(k_ready.index(1), 0)
     mbarrier.wait(v_ready.index(HALF), 0)
     # The query tiles past the diagonal, then (causal) the ones that cross it, each run last first.
-    dk, dv = _query_tiles(dk, dv, k_tile, v_tile, k_cols, q_bufs, do_bufs, ds_smem, dq_smem, q_ready, do_ready,
-                          qdo_empty, ds_ready, ds_free, LSE, DQ, DELTA, b, h, keys, unmasked, last, 0, N_Q,
-                          qk_scale, sm_scale, HALF, False, s_layout, acc_layout)
-    dk, dv = _query_tiles(dk, dv, k_tile, v_tile, k_cols, q_bufs, do_bufs, ds_smem, dq_smem, q_ready, do_ready,
-                          qdo_empty, ds_ready, ds_free, LSE, DQ, DELTA, b, h, keys, first, unmasked, last - unmasked,
-                          N_Q, qk_scale, sm_scale, HALF, True, s_layout, acc_layout)
+    key_tile = (k_tile, v_tile, k_cols, keys)
+    dk, dv = _query_tiles(dk, dv, key_tile, ring, dq_bufs, LSE, DQ, DELTA, b, h, (unmasked, last, 0), N_Q, qk_scale,
+                          sm_scale, HALF, False)
+    dk, dv = _query_tiles(dk, dv, key_tile, ring, dq_bufs, LSE, DQ, DELTA, b, h, (first, unmasked, last - unmasked),
+                          N_Q, qk_scale, sm_scale, HALF, True)
     # The other warpgroup's last dQ product reads this half's K too: wait until both are done
     # (ds_free of the last query tile; passes at once when there was none).
     mbarrier.wait(ds_free.index(0), (last - first - 1) & 1)
@@ -272,17 +286,18 @@ def _attn_bwd_warp_specialized(Q, K, V, dO, dK, dV, LSE, DELTA, DQ,
     mbarrier.init(ds_ready.index(0), count=2)
     mbarrier.init(ds_free.index(0), count=2)
 
+    key_smem = (k_smem, v_smem, k_ready, v_ready)
+    ring = (q_bufs, do_bufs, q_ready, do_ready, qdo_empty)
+    dq_bufs = (ds_smem, dq_smem, ds_ready, ds_free)
+
     # The argument tuples are written in the call, so their constants stay compile-time
     # (forward._attn_fwd_warp_specialized says why).
     gl.warp_specialize([
-        (_mma_partition, (dk_matrices, dv_matrices, LSE, dq_matrices, DELTA, k_smem, v_smem, q_bufs, do_bufs, ds_smem,
-                          dq_smem, k_ready, v_ready, q_ready, do_ready, qdo_empty, ds_ready, ds_free, H, N_Q,
-                          qk_scale, sm_scale, IS_CAUSAL, 0)),
-        (_mma_partition, (dk_matrices, dv_matrices, LSE, dq_matrices, DELTA, k_smem, v_smem, q_bufs, do_bufs, ds_smem,
-                          dq_smem, k_ready, v_ready, q_ready, do_ready, qdo_empty, ds_ready, ds_free, H, N_Q,
-                          qk_scale, sm_scale, IS_CAUSAL, 1)),
-        (_load_partition, (q_matrices, k_matrices, v_matrices, do_matrices, k_smem, v_smem, q_bufs, do_bufs, k_ready,
-                           v_ready, q_ready, do_ready, qdo_empty, H, N_Q, IS_CAUSAL)),
+        (_mma_partition, (dk_matrices, dv_matrices, LSE, dq_matrices, DELTA, key_smem, ring, dq_bufs, H, N_Q, qk_scale,
+                          sm_scale, IS_CAUSAL, 0)),
+        (_mma_partition, (dk_matrices, dv_matrices, LSE, dq_matrices, DELTA, key_smem, ring, dq_bufs, H, N_Q, qk_scale,
+                          sm_scale, IS_CAUSAL, 1)),
+        (_load_partition, (q_matrices, k_matrices, v_matrices, do_matrices, key_smem, ring, H, N_Q, IS_CAUSAL)),
     ], [4, 1], [MMA_REGISTERS, LOAD_REGISTERS])
 
 

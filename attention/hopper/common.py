@@ -1,6 +1,6 @@
 """What the two Hopper kernels share: when they serve a call, their TMA descriptors over whole
-(B, H, N, D) tensors, the ring of shared-memory slots a loader fills, and the causal tile rules
-in Gluon (tile_bounds.py's, for the two masks these kernels take: causal and none)."""
+(B, H, N, D) tensors, and the ring of shared-memory slots a loader fills. Their tile rules, for
+the two masks they take (causal and none), are masks.py's."""
 import functools
 
 import torch
@@ -8,8 +8,8 @@ from triton.experimental import gluon
 from triton.experimental.gluon import language as gl
 from triton.experimental.gluon.language.nvidia.hopper import mbarrier, tma
 
-from ..eager import UNBOUNDED
 from ..launch import ADA_PATH, INTERPRETING
+from ..masks import UNBOUNDED
 
 # The TMA copies are named async_copy_global_to_shared / async_copy_shared_to_global in Triton 3.6
 # and async_load / async_store in later releases.
@@ -52,44 +52,6 @@ def tensor_matrices(T, B, H, N, stride_b, stride_h, stride_n, BLOCK: gl.constexp
 
 
 @gluon.jit
-def key_tile_counts(start_m, N_K, IS_CAUSAL: gl.constexpr, ROWS: gl.constexpr, BLOCK_N: gl.constexpr):
-    """tile_bounds.key_tile_bounds in tiles, causal or not: of the key tiles the query tile of
-    ROWS rows from start_m visits, [0, n_full) need no mask for any of its rows, [n_full,
-    n_tiles) do (the diagonal, the end of the keys)."""
-    n_full = N_K // BLOCK_N
-    end = N_K
-    if IS_CAUSAL:
-        n_full = gl.minimum(n_full, (start_m + 1) // BLOCK_N)
-        end = gl.minimum(start_m + ROWS, N_K)
-    return n_full, gl.cdiv(end, BLOCK_N)
-
-
-@gluon.jit
-def query_tile_counts(start_n, N_Q, IS_CAUSAL: gl.constexpr, BLOCK_M: gl.constexpr, KEY_ROWS: gl.constexpr):
-    """tile_bounds.query_tile_bounds in tiles, causal or not: the key tile of KEY_ROWS keys from
-    start_n is seen by query tiles [first, last), of which [first, masked_end) cross the
-    diagonal. first <= masked_end <= last always: causal, a key tile past the last query gets
-    first = last, no tiles, which the backward's mbarrier phases count on."""
-    last = gl.cdiv(N_Q, BLOCK_M)
-    first = 0
-    masked_end = 0
-    if IS_CAUSAL:
-        first = gl.minimum(start_n // BLOCK_M, last)
-        masked_end = gl.minimum(gl.cdiv(start_n + KEY_ROWS - 1, BLOCK_M), last)
-    return first, masked_end, last
-
-
-@gluon.jit
-def visible(rows, cols, N_K, IS_CAUSAL: gl.constexpr):
-    """tile_bounds.visible_in_tile for the two masks: the key lies before N_K and, causal, not
-    after the query."""
-    seen = cols < N_K
-    if IS_CAUSAL:
-        seen = seen & (cols <= rows)
-    return seen
-
-
-@gluon.jit
 def ring_slot(index, STAGES: gl.constexpr):
     """Where a ring of STAGES slots keeps the program's tile number `index` (the forward's K/V
     tiles, the backward's Q/dO tiles): slot index % STAGES, and the phase of that slot's
@@ -98,11 +60,12 @@ def ring_slot(index, STAGES: gl.constexpr):
 
 
 @gluon.jit
-def load_into_ring(X, Y, x_bufs, y_bufs, x_ready, y_ready, empty, index, b, h, row):
-    """A loader's step in a ring of two tensors' tiles (the forward's K and V, the backward's Q
-    and dO): the program's tile number `index`, rows from `row` of batch-head (b, h) of X and of
-    Y, into ring slot index % STAGES once the consumers have let go of it (mbarrier empty), each
-    copy arriving on its own ready mbarrier."""
+def load_into_ring(X, Y, ring, index, b, h, row):
+    """A loader's step in a ring of two tensors' tiles, ring = (x_bufs, y_bufs, x_ready, y_ready,
+    empty) (the forward's K and V, the backward's Q and dO): the program's tile number `index`,
+    rows from `row` of batch-head (b, h) of X and of Y, into ring slot index % STAGES once the
+    consumers have let go of it (mbarrier empty), each copy arriving on its own ready mbarrier."""
+    x_bufs, y_bufs, x_ready, y_ready, empty = ring
     STAGES: gl.constexpr = x_bufs.shape[0]
     slot, phase = ring_slot(index, STAGES)
     # An mbarrier's phase flips each time it completes; waiting on the phase before the first

@@ -30,9 +30,9 @@ from triton.experimental.gluon.language.nvidia.hopper import (fence_async_shared
                                                              warpgroup_mma_wait)
 
 from ..launch import set_tma_scratch_allocator
+from ..masks import key_tile_counts_gl, visible_in_tile_gl
 from ..triton_tiles import LN_2, LOG2_E
-from .common import (hopper_entry, key_tile_counts, load_into_ring, ring_slot, sm_count, tensor_matrices, tma_load,
-                     tma_store, visible)
+from .common import hopper_entry, load_into_ring, ring_slot, sm_count, tensor_matrices, tma_load, tma_store
 
 # The (head dim, causal) calls this kernel measured faster on, and its constants for each:
 # BLOCK_M query rows per softmax partition, BLOCK_N keys per tile, STAGES ring slots, and
@@ -71,19 +71,24 @@ def _q_buffer(tiles_done, half):
     return (tiles_done % 2) * 2 + half, (tiles_done // 2) & 1
 
 
-# Each partition reads its tile sizes off the shapes of its shared-memory buffers. Its other
-# constants (IS_CAUSAL, HALF, SCORES_AHEAD) come in its arguments, which stay compile-time only as
-# written in the warp_specialize call (_attn_fwd_warp_specialized).
+# The partitions share their shared memory as two bundles, each a tuple (as Triton's Gluon
+# tutorials pass theirs): q_slots = (q_smem, q_ready, q_empty), the four halves of Q a program
+# keeps (_q_buffer) and their mbarriers, and kv_ring = (k_bufs, v_bufs, k_ready, v_ready,
+# kv_empty), the ring of K and V tiles (common.load_into_ring); the softmax partitions' outputs
+# go as out = (O's descriptor, LSE). Each partition reads its tile sizes off the shapes of its
+# buffers. Its other constants (IS_CAUSAL, HALF, SCORES_AHEAD) come in
+# its arguments, which stay compile-time only as written in the warp_specialize call
+# (_attn_fwd_warp_specialized).
 
 @gluon.jit
-def _load_query_tile(Q, K, V, q_smem, k_bufs, v_bufs, q_ready, q_empty, k_ready, v_ready, kv_empty, b, h, start_m,
-                     N_K, ring, tiles_done, IS_CAUSAL: gl.constexpr):
+def _load_query_tile(Q, K, V, q_slots, kv_ring, b, h, start_m, N_K, ring, tiles_done, IS_CAUSAL: gl.constexpr):
     """The loader's part of one query tile: its two halves of Q into the buffers of query tile
     tiles_done % 2, once the softmax partitions have let go of the tile before; then key tile
     j's K and V into ring slot ring % STAGES."""
+    q_smem, q_ready, q_empty = q_slots
     BLOCK_M: gl.constexpr = q_smem.shape[3]
-    BLOCK_N: gl.constexpr = k_bufs.shape[3]
-    _, n_tiles = key_tile_counts(start_m, N_K, IS_CAUSAL, 2 * BLOCK_M, BLOCK_N)
+    BLOCK_N: gl.constexpr = kv_ring[0].shape[3]
+    _, n_tiles = key_tile_counts_gl(start_m, N_K, IS_CAUSAL, 2 * BLOCK_M, BLOCK_N)
     for half in gl.static_range(2):
         q_buf, q_phase = _q_buffer(tiles_done, half)
         # The first wait on an "empty" barrier passes at once, as in _load_into_ring.
@@ -91,31 +96,31 @@ def _load_query_tile(Q, K, V, q_smem, k_bufs, v_bufs, q_ready, q_empty, k_ready,
         mbarrier.expect(q_ready.index(q_buf), Q.block_type.nbytes)
         tma_load(Q, [b, h, start_m + half * BLOCK_M, 0], q_ready.index(q_buf), q_smem.index(q_buf))
     for j in range(n_tiles):
-        load_into_ring(K, V, k_bufs, v_bufs, k_ready, v_ready, kv_empty, ring, b, h, j * BLOCK_N)
+        load_into_ring(K, V, kv_ring, ring, b, h, j * BLOCK_N)
         ring += 1
     return ring, tiles_done + 1
 
 
 @gluon.jit
-def _load_partition(Q, K, V, q_smem, k_bufs, v_bufs, q_ready, q_empty, k_ready, v_ready, kv_empty, n_units, n_pairs,
-                    n_query_tiles, H, N_K, IS_CAUSAL: gl.constexpr):
+def _load_partition(Q, K, V, q_slots, kv_ring, n_units, n_pairs, n_query_tiles, H, N_K, IS_CAUSAL: gl.constexpr):
     """One warp: the program's units in turn, each query tile's loads (_load_query_tile)."""
-    BLOCK_M: gl.constexpr = q_smem.shape[3]
+    BLOCK_M: gl.constexpr = q_slots[0].shape[3]
     ring = 0
     tiles_done = 0
     for unit in range(gl.program_id(0), n_units, gl.num_programs(0)):
         b, h, mirror_start, start = _unit(unit, n_pairs, n_query_tiles, H, 2 * BLOCK_M)
-        ring, tiles_done = _load_query_tile(Q, K, V, q_smem, k_bufs, v_bufs, q_ready, q_empty, k_ready, v_ready,
-                                            kv_empty, b, h, mirror_start, N_K, ring, tiles_done, IS_CAUSAL)
+        ring, tiles_done = _load_query_tile(Q, K, V, q_slots, kv_ring, b, h, mirror_start, N_K, ring, tiles_done,
+                                            IS_CAUSAL)
         if start != mirror_start:
-            ring, tiles_done = _load_query_tile(Q, K, V, q_smem, k_bufs, v_bufs, q_ready, q_empty, k_ready, v_ready,
-                                                kv_empty, b, h, start, N_K, ring, tiles_done, IS_CAUSAL)
+            ring, tiles_done = _load_query_tile(Q, K, V, q_slots, kv_ring, b, h, start, N_K, ring, tiles_done,
+                                                IS_CAUSAL)
 
 
 @gluon.jit
-def _issue_scores(q_tile, k_bufs, k_ready, index, no_scores):
+def _issue_scores(q_tile, kv_ring, index, no_scores):
     """Start S = Q K^T on the tensor cores for the key tile at ring position `index`, once its K
     has landed. The caller waits for it (warpgroup_mma_wait)."""
+    k_bufs, _, k_ready, _, _ = kv_ring
     STAGES: gl.constexpr = k_bufs.shape[0]
     slot, phase = ring_slot(index, STAGES)
     k_tile = k_bufs.index(slot).reshape([k_bufs.shape[3], k_bufs.shape[4]])
@@ -124,14 +129,31 @@ def _issue_scores(q_tile, k_bufs, k_ready, index, no_scores):
 
 
 @gluon.jit
-def _key_tiles(acc, l_i, m_i, s, q_tile, k_bufs, v_bufs, k_ready, v_ready, kv_empty, first, last, n_tiles, ring, rows,
-               N_K, qk_scale, IS_CAUSAL: gl.constexpr, MASKED: gl.constexpr, SCORES_AHEAD: gl.constexpr,
-               s_layout: gl.constexpr, o_layout: gl.constexpr):
+def online_softmax_update(acc, l_i, m_i, s, qk_scale):
+    """triton_forward.online_softmax_update up to its product P V, which the caller issues on
+    the tensor cores (asynchronously): fold one tile of raw scores s into the running max m_i
+    (base-2 logits) and sum l_i, rescale acc to the new max, and return P with the three. The
+    Triton update's guard for a row that has seen no key is not needed: under the two masks
+    these kernels take, every row sees key 0, in the first tile it visits."""
+    m_new = gl.maximum(m_i, gl.max(s, 1) * qk_scale)
+    p = gl.exp2(s * qk_scale - m_new[:, None])
+    alpha = gl.exp2(m_i - m_new)  # how much the old maximum overstated the new one
+    l_i = l_i * alpha + gl.sum(p, 1)
+    acc = acc * gl.convert_layout(alpha, gl.SliceLayout(1, acc.type.layout))[:, None]
+    return p, acc, l_i, m_new
+
+
+@gluon.jit
+def _key_tiles(acc, l_i, m_i, s, q_tile, kv_ring, first, last, n_tiles, ring, rows, N_K, qk_scale,
+               IS_CAUSAL: gl.constexpr, MASKED: gl.constexpr, SCORES_AHEAD: gl.constexpr):
     """triton_forward._key_tiles with the ring: the online-softmax update over key tiles
     [first, last) of the query tile's n_tiles, tile j read from slot (ring + j) % STAGES and
     released once P V is done with it. A step waits for the tensor cores twice, for S_j and for
     P_j V_j. With SCORES_AHEAD it issues tile j + 1's scores right after P_j V_j and waits once
     for both, so the tensor cores run the two back to back; s comes in holding tile first's."""
+    k_bufs, v_bufs, _, v_ready, kv_empty = kv_ring
+    s_layout: gl.constexpr = s.type.layout
+    o_layout: gl.constexpr = acc.type.layout
     BLOCK_M: gl.constexpr = q_tile.shape[0]
     BLOCK_N: gl.constexpr = k_bufs.shape[3]
     HEAD_DIM: gl.constexpr = k_bufs.shape[4]
@@ -143,21 +165,16 @@ def _key_tiles(acc, l_i, m_i, s, q_tile, k_bufs, v_bufs, k_ready, v_ready, kv_em
         slot, phase = ring_slot(ring + j, STAGES)
         v_tile = v_bufs.index(slot).reshape([BLOCK_N, HEAD_DIM])
         if not SCORES_AHEAD:
-            s = _issue_scores(q_tile, k_bufs, k_ready, ring + j, no_scores)
+            s = _issue_scores(q_tile, kv_ring, ring + j, no_scores)
             s = warpgroup_mma_wait(num_outstanding=0, deps=(s,))
         if MASKED:  # keys past N_K, and after the row's own when causal
             cols = j * BLOCK_N + gl.arange(0, BLOCK_N, layout=gl.SliceLayout(0, s_layout))
-            s = gl.where(visible(rows[:, None], cols[None, :], N_K, IS_CAUSAL), s, float("-inf"))
-        m_new = gl.maximum(m_i, gl.max(s, 1) * qk_scale)  # running max of base-2 logits
-        p = gl.exp2(s * qk_scale - m_new[:, None])
-        alpha = gl.exp2(m_i - m_new)
-        l_i = l_i * alpha + gl.sum(p, 1)
-        acc = acc * gl.convert_layout(alpha, gl.SliceLayout(1, o_layout))[:, None]
-        m_i = m_new
+            s = gl.where(visible_in_tile_gl(rows[:, None], cols[None, :], N_K, IS_CAUSAL), s, float("-inf"))
+        p, acc, l_i, m_i = online_softmax_update(acc, l_i, m_i, s, qk_scale)
         mbarrier.wait(v_ready.index(slot), phase)
         pv = warpgroup_mma(gl.convert_layout(p.to(q_tile.dtype), p_layout), v_tile, acc, is_async=True)
         if SCORES_AHEAD and j + 1 < n_tiles:
-            s_next = _issue_scores(q_tile, k_bufs, k_ready, ring + j + 1, no_scores)
+            s_next = _issue_scores(q_tile, kv_ring, ring + j + 1, no_scores)
             acc, s = warpgroup_mma_wait(num_outstanding=0, deps=(pv, s_next))
         else:  # s keeps its stale value: a new one here measured slower (docs/optimisation.md)
             acc = warpgroup_mma_wait(num_outstanding=0, deps=(pv,))
@@ -166,20 +183,21 @@ def _key_tiles(acc, l_i, m_i, s, q_tile, k_bufs, v_bufs, k_ready, v_ready, kv_em
 
 
 @gluon.jit
-def _softmax_query_tile(O, LSE, q_smem, o_smem, k_bufs, v_bufs, q_ready, q_empty, k_ready, v_ready, kv_empty, b, h, H,
-                        start_m, N_Q, N_K, qk_scale, ring, tiles_done, IS_CAUSAL: gl.constexpr, HALF: gl.constexpr,
-                        SCORES_AHEAD: gl.constexpr):
+def _softmax_query_tile(out, q_slots, o_smem, kv_ring, b, h, H, start_m, N_Q, N_K, qk_scale, ring, tiles_done,
+                        IS_CAUSAL: gl.constexpr, HALF: gl.constexpr, SCORES_AHEAD: gl.constexpr):
     """One softmax partition's part of one query tile: rows [start_m + HALF * BLOCK_M, + BLOCK_M)
-    against the tile's key tiles, then their O (through TMA) and lse."""
+    against the tile's key tiles, then their O (through TMA, out[0]) and lse (out[1])."""
+    O, LSE = out
+    q_smem, q_ready, q_empty = q_slots
     BLOCK_M: gl.constexpr = q_smem.shape[3]
     HEAD_DIM: gl.constexpr = q_smem.shape[4]
-    BLOCK_N: gl.constexpr = k_bufs.shape[3]
+    BLOCK_N: gl.constexpr = kv_ring[0].shape[3]
     # Where wgmma leaves its results: 4 warps down the rows, instructions 16 rows by a tile's width.
     s_layout: gl.constexpr = gl.NVMMADistributedLayout(version=[3, 0], warps_per_cta=[4, 1],
                                                        instr_shape=[16, BLOCK_N, 16])
     o_layout: gl.constexpr = gl.NVMMADistributedLayout(version=[3, 0], warps_per_cta=[4, 1],
                                                        instr_shape=[16, HEAD_DIM, 16])
-    n_unmasked, n_tiles = key_tile_counts(start_m, N_K, IS_CAUSAL, 2 * BLOCK_M, BLOCK_N)
+    n_unmasked, n_tiles = key_tile_counts_gl(start_m, N_K, IS_CAUSAL, 2 * BLOCK_M, BLOCK_N)
     row_start = start_m + HALF * BLOCK_M
     rows = row_start + gl.arange(0, BLOCK_M, layout=gl.SliceLayout(1, s_layout))
     m_i = gl.full([BLOCK_M], float("-inf"), gl.float32, gl.SliceLayout(1, s_layout))
@@ -190,14 +208,12 @@ def _softmax_query_tile(O, LSE, q_smem, o_smem, k_bufs, v_bufs, q_ready, q_empty
     q_tile = q_smem.index(q_buf).reshape([BLOCK_M, HEAD_DIM])
     mbarrier.wait(q_ready.index(q_buf), q_phase)
     if SCORES_AHEAD:  # the first key tile's scores; each step of _key_tiles issues the next one's
-        s = _issue_scores(q_tile, k_bufs, k_ready, ring, s)
+        s = _issue_scores(q_tile, kv_ring, ring, s)
         s = warpgroup_mma_wait(num_outstanding=0, deps=(s,))
-    acc, l_i, m_i, s = _key_tiles(acc, l_i, m_i, s, q_tile, k_bufs, v_bufs, k_ready, v_ready, kv_empty, 0, n_unmasked,
-                                  n_tiles, ring, rows, N_K, qk_scale, IS_CAUSAL, False, SCORES_AHEAD, s_layout,
-                                  o_layout)
-    acc, l_i, m_i, s = _key_tiles(acc, l_i, m_i, s, q_tile, k_bufs, v_bufs, k_ready, v_ready, kv_empty, n_unmasked,
-                                  n_tiles, n_tiles, ring, rows, N_K, qk_scale, IS_CAUSAL, True, SCORES_AHEAD,
-                                  s_layout, o_layout)
+    acc, l_i, m_i, s = _key_tiles(acc, l_i, m_i, s, q_tile, kv_ring, 0, n_unmasked, n_tiles, ring, rows, N_K, qk_scale,
+                                  IS_CAUSAL, False, SCORES_AHEAD)
+    acc, l_i, m_i, s = _key_tiles(acc, l_i, m_i, s, q_tile, kv_ring, n_unmasked, n_tiles, n_tiles, ring, rows, N_K,
+                                  qk_scale, IS_CAUSAL, True, SCORES_AHEAD)
     mbarrier.arrive(q_empty.index(q_buf), count=1)  # the loader may bring the tile after next's Q
     # Normalise once. O leaves through its own buffer, once the previous tile's O has left it.
     o = acc / gl.convert_layout(l_i, gl.SliceLayout(1, o_layout))[:, None]
@@ -212,22 +228,19 @@ def _softmax_query_tile(O, LSE, q_smem, o_smem, k_bufs, v_bufs, q_ready, q_empty
 
 
 @gluon.jit
-def _softmax_partition(O, LSE, q_smem, o_smem, k_bufs, v_bufs, q_ready, q_empty, k_ready, v_ready, kv_empty, n_units,
-                       n_pairs, n_query_tiles, H, N_Q, N_K, qk_scale, IS_CAUSAL: gl.constexpr, HALF: gl.constexpr,
-                       SCORES_AHEAD: gl.constexpr):
+def _softmax_partition(out, q_slots, o_smem, kv_ring, n_units, n_pairs, n_query_tiles, H, N_Q, N_K, qk_scale,
+                       IS_CAUSAL: gl.constexpr, HALF: gl.constexpr, SCORES_AHEAD: gl.constexpr):
     """One warpgroup: the program's units in turn, as the loader takes them (_load_partition)."""
-    BLOCK_M: gl.constexpr = q_smem.shape[3]
+    BLOCK_M: gl.constexpr = q_slots[0].shape[3]
     ring = 0
     tiles_done = 0
     for unit in range(gl.program_id(0), n_units, gl.num_programs(0)):
         b, h, mirror_start, start = _unit(unit, n_pairs, n_query_tiles, H, 2 * BLOCK_M)
-        ring, tiles_done = _softmax_query_tile(O, LSE, q_smem, o_smem, k_bufs, v_bufs, q_ready, q_empty, k_ready,
-                                               v_ready, kv_empty, b, h, H, mirror_start, N_Q, N_K, qk_scale, ring,
-                                               tiles_done, IS_CAUSAL, HALF, SCORES_AHEAD)
+        ring, tiles_done = _softmax_query_tile(out, q_slots, o_smem, kv_ring, b, h, H, mirror_start, N_Q, N_K,
+                                               qk_scale, ring, tiles_done, IS_CAUSAL, HALF, SCORES_AHEAD)
         if start != mirror_start:
-            ring, tiles_done = _softmax_query_tile(O, LSE, q_smem, o_smem, k_bufs, v_bufs, q_ready, q_empty, k_ready,
-                                                   v_ready, kv_empty, b, h, H, start, N_Q, N_K, qk_scale, ring,
-                                                   tiles_done, IS_CAUSAL, HALF, SCORES_AHEAD)
+            ring, tiles_done = _softmax_query_tile(out, q_slots, o_smem, kv_ring, b, h, H, start, N_Q, N_K, qk_scale,
+                                                   ring, tiles_done, IS_CAUSAL, HALF, SCORES_AHEAD)
     tma.store_wait(pendings=0)
 
 
@@ -266,19 +279,21 @@ def _attn_fwd_warp_specialized(Q, K, V, O, LSE,
         mbarrier.init(v_ready.index(slot), count=1)
         mbarrier.init(kv_empty.index(slot), count=2)  # one arrival from each softmax partition
 
+    out = (o_matrices, LSE)
+    q_slots = (q_smem, q_ready, q_empty)
+    kv_ring = (k_bufs, v_bufs, k_ready, v_ready, kv_empty)
+
     # The argument tuples are written in the call: a tuple assigned to a name first turns its
-    # constants into runtime values, and the partitions would then compile both sides of every
-    # branch on them. The first partition runs in the kernel's own num_warps = 4 warps; the others
-    # in theirs.
+    # constants into runtime values (the bundles above hold none), and the partitions would then
+    # compile both sides of every branch on them. The first partition runs in the kernel's own
+    # num_warps = 4 warps; the others in theirs.
     gl.warp_specialize([
-        (_softmax_partition, (o_matrices, LSE, q_smem, o_smem, k_bufs, v_bufs, q_ready, q_empty, k_ready, v_ready,
-                              kv_empty, n_units, n_pairs, n_query_tiles, H, N_Q, N_K, qk_scale, IS_CAUSAL, 0,
-                              SCORES_AHEAD)),
-        (_softmax_partition, (o_matrices, LSE, q_smem, o_smem, k_bufs, v_bufs, q_ready, q_empty, k_ready, v_ready,
-                              kv_empty, n_units, n_pairs, n_query_tiles, H, N_Q, N_K, qk_scale, IS_CAUSAL, 1,
-                              SCORES_AHEAD)),
-        (_load_partition, (q_matrices, k_matrices, v_matrices, q_smem, k_bufs, v_bufs, q_ready, q_empty, k_ready,
-                           v_ready, kv_empty, n_units, n_pairs, n_query_tiles, H, N_K, IS_CAUSAL)),
+        (_softmax_partition, (out, q_slots, o_smem, kv_ring, n_units, n_pairs, n_query_tiles, H, N_Q, N_K, qk_scale,
+                              IS_CAUSAL, 0, SCORES_AHEAD)),
+        (_softmax_partition, (out, q_slots, o_smem, kv_ring, n_units, n_pairs, n_query_tiles, H, N_Q, N_K, qk_scale,
+                              IS_CAUSAL, 1, SCORES_AHEAD)),
+        (_load_partition, (q_matrices, k_matrices, v_matrices, q_slots, kv_ring, n_units, n_pairs, n_query_tiles, H,
+                           N_K, IS_CAUSAL)),
     ], [4, 1], [SOFTMAX_REGISTERS, LOAD_REGISTERS])
 
 
