@@ -143,6 +143,17 @@ def test_the_other_backends_give_the_true_gradient_through_decode(backend, left)
     assert grad[:, :, 4:6].abs().sum() > 0 and grad[:, :, 6:].abs().sum() > 0  # k and v get theirs, not only q
 
 
+def poison_outside_the_window(k_cache, v_cache, pos, left):
+    """NaN and inf in the cache rows a query at pos never sees: after pos (an earlier, longer
+    sequence; uninitialised memory) and before pos - left."""
+    first = 0 if left < 0 else pos - left
+    for cache in (k_cache, v_cache):
+        cache[:, :, pos + 1::2] = float("nan")
+        cache[:, :, pos + 2::2] = float("inf")
+        cache[:, :, :first:2] = float("nan")
+        cache[:, :, 1:first:2] = float("-inf")
+
+
 @pytest.mark.parametrize("backend", BACKENDS)
 @pytest.mark.parametrize("dtype", [torch.float32, torch.float16])
 @pytest.mark.parametrize("left", [-1, 3])
@@ -152,12 +163,7 @@ def test_cache_rows_outside_the_window_never_change_the_result(backend, dtype, l
     # probability 0 times a NaN value is NaN.
     pos = 40
     q, k, v, k_cache, v_cache = decode_inputs(2, 4, 2, 70, 16, dtype)
-    first = 0 if left < 0 else pos - left
-    for cache in (k_cache, v_cache):
-        cache[:, :, pos + 1::2] = float("nan")
-        cache[:, :, pos + 2::2] = float("inf")
-        cache[:, :, :first:2] = float("nan")
-        cache[:, :, 1:first:2] = float("-inf")
+    poison_outside_the_window(k_cache, v_cache, pos, left)
     o_expected, k_expected, v_expected = expected(q, k, v, k_cache, v_cache, pos, left)
     o = decode_attention(q, k, v, k_cache, v_cache, torch.tensor([pos]), (left, 0), backend)
     assert o.isfinite().all()
@@ -361,12 +367,7 @@ def test_cache_rows_outside_the_window_never_reach_any_split(backend, left):
     # the rows after pos (whole splits of them) and before the window.
     pos = 40
     q, k, v, k_cache, v_cache = decode_inputs(2, 6, 2, 70, 40, torch.float16)
-    first = 0 if left < 0 else pos - left
-    for cache in (k_cache, v_cache):
-        cache[:, :, pos + 1::2] = float("nan")
-        cache[:, :, pos + 2::2] = float("inf")
-        cache[:, :, :first:2] = float("nan")
-        cache[:, :, 1:first:2] = float("-inf")
+    poison_outside_the_window(k_cache, v_cache, pos, left)
     o_expected, k_expected, v_expected = expected(q, k, v, k_cache, v_cache, pos, left)
     o = split_decode(backend, q, k, v, k_cache, v_cache, pos, left, 4)
     assert o.isfinite().all()
