@@ -33,7 +33,7 @@ import torch
 import triton
 import triton.language as tl
 
-from .launch import INTERPRETING, check_kernel_device, head_dim_block
+from .launch import INTERPRETING, check_kernel_device, head_dim_block, kernels_may_load
 from .triton_forward import online_softmax_update
 from .triton_tiles import LN_2, LOG2_E
 
@@ -212,7 +212,8 @@ def split_kv_decode(q, k, v, k_cache, v_cache, pos, left, n_splits, block_n):
 def triton_decode_attention(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, k_cache: torch.Tensor,
                             v_cache: torch.Tensor, pos: torch.Tensor, left: int) -> torch.Tensor:
     check_kernel_device(q)
-    return split_kv_decode(q, k, v, k_cache, v_cache, pos, left, *split_plan(k_cache))
+    with kernels_may_load(q.device):  # sample.py captures the step; a first call may come inside it
+        return split_kv_decode(q, k, v, k_cache, v_cache, pos, left, *split_plan(k_cache))
 
 
 @triton_decode_attention.register_fake
