@@ -343,9 +343,7 @@ def graphed(step):
 def decode_times():
     """Each of DECODE_SHAPES in bf16, one new token at the cache's last row (every row is read):
     median µs of each of decode_steps and split_steps, replayed from a CUDA graph, and the K and V
-    bytes read over that as a share of the card's bandwidth."""
-    card = this_card()
-    peak = card.gb_per_s * 1e9 if card else None  # bytes/s
+    bytes read over that, GB/s and as a share of the card's bandwidth (bandwidth_of_peak)."""
     time_us = lambda step: 1000 * triton.testing.do_bench(graphed(step), rep=config.rep_ms, return_mode="median")
     rows = []
     for B, H, H_kv, S, D in DECODE_SHAPES:
@@ -358,29 +356,28 @@ def decode_times():
         with torch.no_grad():
             for label, step in decode_steps(*inputs).items():
                 us = time_us(step)
-                row["steps"][label] = dict(us=us, bandwidth=row["bytes"] / (us * 1e-6) / peak if peak else None)
+                row["steps"][label] = dict(us=us, gb_per_s=row["bytes"] / (us * 1e3))
             row["triton_us_by_splits"] = {n: time_us(step) for n, step in split_steps(*inputs).items()}
         rows.append(row)
         print(f"{row['shape']:<24} {row['bytes'] / 1e6:6.0f} MB  " + "  ".join(
-            f"{label} {r['us']:8.1f} us" + (f" ({r['bandwidth']:.0%})" if peak else "")
+            f"{label} {r['us']:8.1f} us ({bandwidth_of_peak(r['gb_per_s'])})"
             for label, r in row["steps"].items()), flush=True)
         print(f"{'':<24} triton by splits (the plan: {row['splits']}): " + ", ".join(
             f"{n}: {us:.1f} us" for n, us in row["triton_us_by_splits"].items()), flush=True)
-    write("decode", rows, decode_table(rows, peak))
+    write("decode", rows, decode_table(rows))
 
 
-def decode_table(rows, peak):
-    """Markdown: a row per shape, each step's µs and share of the bandwidth."""
+def decode_table(rows):
+    """Markdown: a row per shape, each step's µs and share of the bandwidth ("?": a card not in CARDS)."""
     labels = list(rows[0]["steps"])
-    share = lambda r: f"{r['bandwidth']:.0%}" if r["bandwidth"] is not None else "–"
-    lines = [f"Bandwidth: K and V bytes read over the step's time, against {peak / 1e12:.2f} TB/s." if peak else
-             "Bandwidth: this card's peak is not in bench.py's CARDS.", "",
+    lines = ["Bandwidth: K and V bytes read over the step's time, against the card's (CARDS).", "",
              "| batch x heads/kv heads x cache x D | K+V bytes | triton splits | "
              + " | ".join(f"{label} µs | of bandwidth" for label in labels) + " |",
              "|---" * (3 + 2 * len(labels)) + "|"]
     for row in rows:
         lines.append(f"| {row['shape']} | {row['bytes'] / 1e6:,.0f} MB | {row['splits']} | "
-                     + " | ".join(f"{r['us']:,.0f} | {share(r)}" for r in row["steps"].values()) + " |")
+                     + " | ".join(f"{r['us']:,.0f} | {bandwidth_of_peak(r['gb_per_s'])}" for r in row["steps"].values())
+                     + " |")
     return "\n".join(lines)
 
 

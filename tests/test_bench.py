@@ -61,3 +61,12 @@ def test_grid_tables_and_lines_give_the_fraction_of_the_cards_peak(bench, monkey
     assert "| 4096 | 57 (80%) | 36 (50%) | 1.60 | – |" in table and "% of the card's dense 16-bit peak" in table
     monkeypatch.setattr(bench, "this_card", lambda: None)  # a card not in CARDS: no fraction, never a wrong one
     assert bench.tflops_of_peak(35.5) == "?"
+
+
+def test_the_decode_table_gives_the_fraction_of_the_cards_bandwidth(bench, monkeypatch):
+    monkeypatch.setattr(bench, "this_card", lambda: bench.CARDS["NVIDIA GeForce RTX 4070 SUPER"])
+    rows = [dict(shape="8 x 16/4 x 4,096 x 64", bytes=33_554_432, splits=7,
+                 steps={"triton": dict(us=133.2, gb_per_s=252.0), "sdpa": dict(us=266.3, gb_per_s=126.0)})]
+    assert "| 8 x 16/4 x 4,096 x 64 | 34 MB | 7 | 133 | 50% | 266 | 25% |" in bench.decode_table(rows)
+    monkeypatch.setattr(bench, "this_card", lambda: None)
+    assert "| 133 | ? | 266 | ? |" in bench.decode_table(rows)
