@@ -46,6 +46,32 @@ def pytest_collection_modifyitems(config, items):
             item.add_marker(skip)
 
 
+def default_run(keep):
+    """Decorate a parametrized test whose grid checks the same code path many times: the default
+    run (`pytest`) takes the cases keep(case) chooses, a deterministic sample that still holds
+    every mask, head dim class, backend and odd length the grid has; the rest are marked `full`,
+    which `pytest -m full` runs (CI runs both). case.<name> is a parameter's value and
+    case.index[<name>] its place in its list."""
+    def decorate(test):
+        test.default_run_keeps = keep
+        return test
+    return decorate
+
+
+class Case:
+    def __init__(self, callspec):
+        self.__dict__.update(callspec.params)
+        self.index = callspec.indices
+
+
+def pytest_itemcollected(item):
+    """Mark `full` the cases of a default_run test it leaves out, before -m selects (pytest.ini's
+    addopts deselects them unless -m says otherwise)."""
+    keep = getattr(getattr(item, "function", None), "default_run_keeps", None)
+    if keep is not None and not keep(Case(item.callspec)):
+        item.add_marker(pytest.mark.full)
+
+
 def tag_xdist_groups(items):
     """Give each test marked xdist_group("name") the node id suffix "@name" that --dist loadgroup
     schedules by. pytest-xdist (3.8) writes it to item._nodeid, which pytest 9.2 no longer reads

@@ -4,7 +4,8 @@ fails, or prints, as its chapter says.
 A command is a line of a ```bash block, or `python ...` / `pytest ...` in backticks in prose (a
 span may cross a line break); a ```python block is a program. A command that needs a CUDA card
 says so: `*(GPU)*` right after it, or a `# GPU` comment in a bash block (every bench.py one).
-- CPU commands run as written in a copy of the repo (less what .gitignore names), after the commands they need (PREREQUISITES), and must exit 0. A `pytest` selection
+- CPU commands run as written in one copy of the repo (less what .gitignore names; one a worker), each once,
+  after the commands they need (PREREQUISITES), and must exit 0. A `pytest` selection
   is a part of the suite CI runs (`pytest`, the README's own command): here it must select tests.
 - GPU commands name real files and keys here; the GPU test at the end runs those of the README
   and the course as written (`bash .ci/gpu course`), and every one has a stage in .ci/gpu.
@@ -85,12 +86,18 @@ def words(command):
     return parts
 
 
+# A command and those it needs go to one xdist worker, whose one copy of the repo runs each once.
+NEEDED_TOGETHER = {text for command, needed in PREREQUISITES.items() for text in (command, *needed)}
+
+
 def commands_where(keep, once=False):
     """Parametrize over the commands `keep` takes, each text once (the first doc's) if `once`."""
     chosen = sorted({c for c in COMMANDS if keep(c)}, key=str)
     if once:
         chosen = list({c.text: c for c in reversed(chosen)}.values())[::-1]
-    return pytest.mark.parametrize("command", chosen, ids=map(str, chosen))
+    return pytest.mark.parametrize("command", [
+        pytest.param(c, id=str(c), marks=[pytest.mark.xdist_group("prerequisites")] if c.text in NEEDED_TOGETHER else [])
+        for c in chosen])
 
 
 @cache
@@ -118,11 +125,30 @@ def shell(command, cwd, timeout=900, stdin=None):
                           timeout=timeout)
 
 
+@pytest.fixture(scope="session")
+def repo_copy(tmp_path_factory):
+    """The one copy of the repo (per xdist worker) that the docs' commands run in, in turn: the
+    first that trains prepares the data there, once. An exercise edits a copy of its own."""
+    return copy_of_the_repo(tmp_path_factory.mktemp("repo"))
+
+
+RAN = {}  # (copy, command text) -> its CompletedProcess
+
+
+def run_once(text, cwd, timeout, stdin=None):
+    """A command as shell() runs it, once per copy: a prerequisite another command also needs
+    (or that is a command of its own) is not run again, nor is its run replaced."""
+    if (cwd, text, stdin) not in RAN:
+        RAN[cwd, text, stdin] = shell(text, cwd, timeout, stdin)
+    return RAN[cwd, text, stdin]
+
+
 def run_doc_command(command, cwd, timeout=900):
     for needed in PREREQUISITES.get(command.text, []):
-        ran = shell(needed, cwd, timeout)
+        ran = run_once(needed, cwd, timeout)
         assert ran.returncode == 0, f"`{needed}` (needed by `{command.text}`) failed: {ran.stderr[-2000:]}"
-    return shell("python", cwd, timeout, stdin=command.text) if command.program else shell(command.text, cwd, timeout)
+    return run_once("python", cwd, timeout, stdin=command.text) if command.program else run_once(command.text, cwd,
+                                                                                                  timeout)
 
 
 # ---------------------------------------------------------------- reading the commands
@@ -147,19 +173,38 @@ def test_script_commands_name_real_files_and_keys(command):
             assert (REPO / arg).is_file(), f"{command.doc}: no config file {arg} (`{command.text}`)"
 
 
-@commands_where(lambda c: not c.program and words(c.text)[0] == "pytest" and len(words(c.text)) > 1)
+PYTEST_COMMANDS = sorted({c.text for c in COMMANDS if not c.program and words(c.text)[0] == "pytest"
+                          and len(words(c.text)) > 1})
+
+
+@cache
+def collected():
+    """{command text: (exit status, pytest's collection summary)} for the docs' pytest commands,
+    collected one after another in one process (a process each would import torch each time)."""
+    code = ("import json, sys, pytest\n"
+            "for args in json.loads(sys.argv[1]):\n"
+            "    print('=== collecting', flush=True)\n"
+            "    status = pytest.main(['--collect-only', '-q', '-n', '0', '-p', 'no:cacheprovider', *args])\n"
+            "    print('=== exit', int(status), flush=True)\n")
+    out = subprocess.run([sys.executable, "-c", code, json.dumps([words(text)[1:] for text in PYTEST_COMMANDS])],
+                         cwd=REPO, capture_output=True, text=True, timeout=600)
+    runs = re.findall(r"^=== collecting\n(.*?)^=== exit (\d+)$", out.stdout, re.M | re.S)
+    assert len(runs) == len(PYTEST_COMMANDS), out.stdout[-2000:] + out.stderr[-2000:]
+    return {text: (int(status), output) for text, (output, status) in zip(PYTEST_COMMANDS, runs)}
+
+
+@commands_where(lambda c: c.text in PYTEST_COMMANDS)
 def test_pytest_commands_select_tests(command):
-    args = words(command.text)[1:]
-    out = subprocess.run([sys.executable, "-m", "pytest", "--collect-only", "-q", "-n", "0", *args], cwd=REPO,
-                         capture_output=True, text=True, timeout=300)
-    selected = re.search(r"(\d+)(?:/\d+)? tests? (?:collected|selected)", out.stdout)
-    assert out.returncode == 0 and selected and int(selected[1]) > 0, f"{command}: selects no test"
+    status, output = collected()[command.text]
+    selected = re.search(r"(\d+)(?:/\d+)? tests? (?:collected|selected)", output)
+    assert status == 0 and selected and int(selected[1]) > 0, f"{command}: selects no test"
 
 
 def test_the_readmes_pytest_is_what_ci_runs():
-    """The bare `pytest` the README gives is the whole suite: the last command .ci/run runs."""
-    assert Command("README.md", "pytest", gpu=False) in COMMANDS
-    assert (REPO / ".ci" / "run").read_text().strip().splitlines()[-1] == "pytest"
+    """The bare `pytest` the README gives is the default run, and `pytest -m full` the rest of
+    the exhaustive grids: the last two commands .ci/run runs."""
+    assert {Command("README.md", "pytest", gpu=False), Command("README.md", "pytest -m full", gpu=False)} <= set(COMMANDS)
+    assert (REPO / ".ci" / "run").read_text().strip().splitlines()[-2:] == ["pytest", "pytest -m full"]
 
 
 def test_bench_commands_are_marked_gpu():
@@ -245,10 +290,10 @@ def errors_of(result, what):
     return [float(e) for e in re.findall(rf"{what}: max abs error ([0-9.e+-]+)", result.stdout)]
 
 
-def test_chapter_1_the_articles_tiles_and_its_o_l_unpacking(tmp_path):
+def test_chapter_1_the_articles_tiles_and_its_o_l_unpacking(repo_copy):
     program, = [c for c in COMMANDS if c.program and c.doc == "learn.md" and "16, 16" in c.text]
     assert program.text in chapter(1, raw=True)
-    ran = run_doc_command(program, copy_of_the_repo(tmp_path))
+    ran = run_doc_command(program, repo_copy)
     assert ran.returncode == 0, ran.stderr[-2000:]
     difference, shapes = ran.stdout.splitlines()
     assert float(difference) < 1e-6 and shapes == "(100, 64) (100, 64)"
@@ -325,10 +370,11 @@ def test_chapter_6_a_kv_head_that_sums_one_query_head_fails_dk_and_dv_where_g_ex
                                       for m in messages)
 
 
-def test_chapter_7_eager_and_tiled_train_to_the_same_losses(tmp_path):
+def test_chapter_7_eager_and_tiled_train_to_the_same_losses(repo_copy):
     eager, tiled = (learn_command(f"python train.py configs/tiny.py --max_iters=50 --attn={b}") for b in ("eager", "tiled"))
-    copy = copy_of_the_repo(tmp_path)
-    runs = [run_doc_command(c, copy) for c in (eager, tiled, eager)]  # the first again: --overwrite=True lets it
+    copy = repo_copy
+    # The first again (--overwrite=True lets it): run as written each time, not once.
+    runs = [shell(c.text, copy) for c in (eager, tiled, eager)]
     assert all(run.returncode == 0 for run in runs), [run.stderr[-2000:] for run in runs]
     losses = []
     for out_dir in ("out-eager", "out-tiled"):
@@ -367,13 +413,13 @@ RUN_ABOVE = {"python train.py configs/tiny.py --max_iters=50 --attn=eager --out_
 
 @commands_where(lambda c: not c.gpu and not c.program and words(c.text)[0] == "python" and c.text not in RUN_ABOVE,
                 once=True)
-def test_cpu_command_runs_as_written(command, tmp_path):
-    ran = run_doc_command(command, copy_of_the_repo(tmp_path))
+def test_cpu_command_runs_as_written(command, repo_copy):
+    ran = run_doc_command(command, repo_copy)
     assert ran.returncode == 0, f"`{command.text}` exited {ran.returncode}: {ran.stderr[-3000:]}"
 
 
 @pytest.mark.gpu
 @commands_where(lambda c: c.gpu and c.doc in ("README.md", "learn.md"), once=True)
-def test_gpu_command_runs_as_written(command, tmp_path):
-    ran = run_doc_command(command, copy_of_the_repo(tmp_path), timeout=3600)
+def test_gpu_command_runs_as_written(command, repo_copy):
+    ran = run_doc_command(command, repo_copy, timeout=3600)
     assert ran.returncode == 0, f"`{command.text}` exited {ran.returncode}: {ran.stderr[-3000:]}"
