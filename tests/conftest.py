@@ -7,6 +7,7 @@ import os
 import subprocess
 import sys
 from pathlib import Path
+from types import SimpleNamespace
 
 import pytest
 import torch
@@ -48,28 +49,27 @@ def pytest_collection_modifyitems(config, items):
 
 def default_run(keep):
     """Decorate a parametrized test whose grid checks the same code path many times: the default
-    run (`pytest`) takes the cases keep(case) chooses, a deterministic sample that still holds
-    every mask, head dim class, backend and odd length the grid has; the rest are marked `full`,
-    which `pytest -m full` runs (CI runs both). case.<name> is a parameter's value and
-    case.index[<name>] its place in its list."""
+    run (`pytest`) takes the cases keep(case) chooses (case.<name> is a parameter's value), a
+    deterministic sample that still holds every mask, head dim class, backend and odd length the
+    grid has; the rest are marked `full`, which `pytest -m full` runs (CI runs both)."""
     def decorate(test):
         test.default_run_keeps = keep
         return test
     return decorate
 
 
-class Case:
-    def __init__(self, callspec):
-        self.__dict__.update(callspec.params)
-        self.index = callspec.indices
+def in_default_run(test, **params):
+    """Whether the default run checks test's case of these parameters."""
+    keep = getattr(test, "default_run_keeps", None)
+    return keep is None or keep(SimpleNamespace(**params))
 
 
 def pytest_itemcollected(item):
-    """Mark `full` the cases of a default_run test it leaves out, before -m selects (pytest.ini's
+    """Mark `full` the cases a default_run test leaves out, before -m selects (pytest.ini's
     addopts deselects them unless -m says otherwise)."""
-    keep = getattr(getattr(item, "function", None), "default_run_keeps", None)
-    if keep is not None and not keep(Case(item.callspec)):
-        item.add_marker(pytest.mark.full)
+    if hasattr(getattr(item, "function", None), "default_run_keeps"):
+        if not in_default_run(item.function, **item.callspec.params):
+            item.add_marker(pytest.mark.full)
 
 
 def tag_xdist_groups(items):

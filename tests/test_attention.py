@@ -18,6 +18,7 @@ from attention.masks import UNBOUNDED
 from attention.tiled import tiled_forward
 from attention.triton_backward import BACKWARD_CONFIGS, _attn_bwd, backward_smem_rows, flash_backward
 from attention.triton_forward import FORWARD_CONFIGS, _attn_fwd, flash_forward, forward_smem_rows
+from conftest import default_run
 
 TOLERANCE = {torch.float64: 1e-10, torch.float32: 1e-4, torch.float16: 2e-2, torch.bfloat16: 4e-2}
 GPU_TOLERANCE = {torch.float32: 1e-2, torch.float16: 2e-2, torch.bfloat16: 4e-2}
@@ -102,6 +103,15 @@ SHAPES = [
 ]
 
 
+# The interpreted Triton backends, in the default run: each shape once, causal on every other
+# (triton) or on the others (triton_fwd, whose forward kernel is triton's), so each sees each
+# shape and both masks; the PyTorch backends every case. `pytest -m full`: the rest.
+def triton_takes_every_other(shape_index, is_causal, backend):
+    return backend not in ("triton", "triton_fwd") or is_causal == (shape_index % 2 == (backend == "triton"))
+
+
+@default_run(lambda case: triton_takes_every_other(SHAPES.index((case.shape_q, case.n_k)), case.is_causal,
+                                                   case.backend))
 @pytest.mark.parametrize("is_causal", [False, True])
 @pytest.mark.parametrize("shape_q,n_k", SHAPES)
 @pytest.mark.parametrize("backend", BACKENDS)
@@ -110,8 +120,13 @@ def test_backend_matches_float64_reference(backend, shape_q, n_k, is_causal):
     check_backend(backend, q, k, v, is_causal, TOLERANCE[torch.float32])
 
 
+GROUPS = [(4, 4), (4, 2), (4, 1), (8, 2)]
+
+
+@default_run(lambda case: triton_takes_every_other(GROUPS.index((case.heads, case.kv_heads)), case.is_causal,
+                                                   case.backend))
 @pytest.mark.parametrize("is_causal", [False, True])
-@pytest.mark.parametrize("heads,kv_heads", [(4, 4), (4, 2), (4, 1), (8, 2)])
+@pytest.mark.parametrize("heads,kv_heads", GROUPS)
 @pytest.mark.parametrize("backend", BACKENDS)
 def test_grouped_query_heads(backend, heads, kv_heads, is_causal):
     """H / H_kv = 1, 2 and 4, and one kv head (multi-query): query head h reads kv head h // G,
@@ -126,6 +141,10 @@ WINDOWS = [(0, 0, False), (1, 0, True), (63, 0, True), (257, 0, True), (-1, 0, F
            (0, 7, False), (63, 70, False), (257, 3, False), (-1, 9, False), (5, -1, False)]
 
 
+# In the default run eager, sdpa and triton take every window; tiled (whose masks
+# tests/test_tiled.py checks tile by tile) and triton_fwd (triton's forward kernel) half each.
+@default_run(lambda case: case.backend not in ("tiled", "triton_fwd") or
+             WINDOWS.index((case.left, case.right, case.is_causal)) % 2 == (case.backend == "tiled"))
 @pytest.mark.parametrize("left,right,is_causal", WINDOWS)
 @pytest.mark.parametrize("backend", BACKENDS)
 def test_sliding_windows(backend, left, right, is_causal):
@@ -285,11 +304,18 @@ def launch_heads_first(monkeypatch, heads_first):
         monkeypatch.setattr(module, "heads_first", lambda k, n_heads: heads_first)
 
 
+EXPLICIT_MASKS = [(False, (-1, -1)), (True, (-1, -1)), (True, (20, 0)), (False, (9, 40))]
+EXPLICIT_TILES = [(16, 16), (32, 16), (16, 32), (64, 32)]
+
+
+# The default run: every tile shape with every mask once, the load path and grid order taking
+# each of their 4 pairs once per tile shape and once per mask (a Latin square); `-m full`, the rest.
+@default_run(lambda case: (EXPLICIT_MASKS.index((case.is_causal, case.window_size)) -
+                           EXPLICIT_TILES.index((case.block_m, case.block_n))) % 4 == 2 * case.use_tma + case.heads_first)
 @pytest.mark.parametrize("heads_first", [False, True])
 @pytest.mark.parametrize("use_tma", [False, True])
-@pytest.mark.parametrize("is_causal,window_size", [(False, (-1, -1)), (True, (-1, -1)), (True, (20, 0)),
-                                                   (False, (9, 40))])
-@pytest.mark.parametrize("block_m,block_n", [(16, 16), (32, 16), (16, 32), (64, 32)])
+@pytest.mark.parametrize("is_causal,window_size", EXPLICIT_MASKS)
+@pytest.mark.parametrize("block_m,block_n", EXPLICIT_TILES)
 def test_triton_kernels_with_explicit_tiles(block_m, block_n, is_causal, window_size, use_tma, heads_first,
                                             monkeypatch):
     """Tiles smaller than the sequence, with BLOCK_M != BLOCK_N: tiles cross the diagonal and the

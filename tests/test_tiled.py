@@ -13,15 +13,22 @@ from attention import FlashAttentionPytorch, masks
 from attention.masks import UNBOUNDED, key_tile_bounds, query_tile_bounds, visible_keys, window_bounds
 from attention.tiled import tiled_forward
 from attention.tiled_backward import tiled_backward
+from conftest import default_run
 from test_attention import TOLERANCE, assert_all_close, random_qkv, reference
 
 TILES = [(16, 8), (8, 16), (7, 13), (1, 5), (64, 64)]
 MASKS = [(True, (-1, -1)), (False, (-1, -1)), (True, (5, 0)), (False, (0, 3)), (False, (12, 20)), (True, (0, 0))]
+BACKWARD_TILES = [(16, 8), (8, 16), (7, 13)]
+BACKWARD_SHAPES = [((2, 2, 37, 16), 45, 1), ((1, 2, 45, 128), 37, 2), ((2, 29, 64), 29, 2)]
 
 
+# The default run: each third of the masks with one shape per tile shape, so that every pair of
+# tile shape, shape and mask is checked (18 of 54 cases); `pytest -m full`, the rest.
+@default_run(lambda case: MASKS.index((case.is_causal, case.window_size)) % 3 == (
+    BACKWARD_TILES.index((case.tile_m, case.tile_n)) + BACKWARD_SHAPES.index((case.shape_q, case.n_k, case.h_kv))) % 3)
 @pytest.mark.parametrize("is_causal,window_size", MASKS)
-@pytest.mark.parametrize("shape_q,n_k,h_kv", [((2, 2, 37, 16), 45, 1), ((1, 2, 45, 128), 37, 2), ((2, 29, 64), 29, 2)])
-@pytest.mark.parametrize("tile_m,tile_n", [(16, 8), (8, 16), (7, 13)])
+@pytest.mark.parametrize("shape_q,n_k,h_kv", BACKWARD_SHAPES)
+@pytest.mark.parametrize("tile_m,tile_n", BACKWARD_TILES)
 def test_tiled_backward_matches_float64_reference(tile_m, tile_n, shape_q, n_k, h_kv, is_causal, window_size):
     q, k, v = random_qkv(shape_q, n_k, h_kv=h_kv, seed=tile_m * tile_n + n_k)
     o = FlashAttentionPytorch.apply(q, k, v, is_causal, window_size, tile_m, tile_n)
@@ -130,9 +137,18 @@ def _visible_probe(OUT, N_Q, N_K, left, right, BLOCK_M: tl.constexpr, BLOCK_N: t
     tl.store(OUT + rows[:, None] * BLOCK_N + cols[None, :], seen.to(tl.int32))
 
 
-@pytest.mark.parametrize("is_causal,window_size", MASKS + [(False, (300, 2))])
-@pytest.mark.parametrize("n_q,n_k", [(37, 53), (90, 12), (200, 200)])
-@pytest.mark.parametrize("tile_m,tile_n", [(16, 32), (64, 16), (32, 32)])
+TWIN_MASKS = MASKS + [(False, (300, 2))]
+TWIN_LENGTHS = [(37, 53), (90, 12), (200, 200)]
+TWIN_TILES = [(16, 32), (64, 16), (32, 32)]
+
+
+# The default run: every mask with every tile shape, at one of the lengths, so that every pair of
+# tile shape, lengths and mask is checked (21 of 63 cases); `pytest -m full`, the rest.
+@default_run(lambda case: TWIN_LENGTHS.index((case.n_q, case.n_k)) ==
+             (TWIN_TILES.index((case.tile_m, case.tile_n)) + TWIN_MASKS.index((case.is_causal, case.window_size))) % 3)
+@pytest.mark.parametrize("is_causal,window_size", TWIN_MASKS)
+@pytest.mark.parametrize("n_q,n_k", TWIN_LENGTHS)
+@pytest.mark.parametrize("tile_m,tile_n", TWIN_TILES)
 def test_the_kernels_bounds_are_their_twins(tile_m, tile_n, n_q, n_k, is_causal, window_size):
     """masks.key_tile_bounds_tl and query_tile_bounds_tl, run in a kernel, give the Python
     rules' numbers at every tile start, and visible_in_tile_tl the mask itself."""
