@@ -21,7 +21,7 @@ from attention import BACKENDS, decode_attention, store_in_cache, triton_decode
 from attention.decode import cached_keys, tiled_decode_splits, tiled_split_kv_decode
 from attention.masks import window_bounds
 from attention.launch import ADA_SHARED_MEMORY_BYTES, head_dim_block
-from conftest import REPO
+from conftest import REPO, default_run
 from model import GPT, GPTConfig, sample_next_token
 from test_kv_cache import GQA_WINDOW, context_sensitive_gpt, prompt
 from torch._dynamo.testing import CompileCounter  # imports triton: after attention, which picks the interpreter
@@ -462,6 +462,11 @@ def test_the_decode_kernels_fixed_config_fits_the_target_cards_shared_memory():
     assert all(32 * 1024 <= shared <= ADA_SHARED_MEMORY_BYTES for _, _, shared in results), results
 
 
+# The default run compiles the triton step with grouped heads and a window (its opaque operator,
+# as the multi-head one); the eager and sdpa steps, compiled, draw the uncompiled tokens in
+# test_bf16_weights_decode_the_tokens_of_a_step_by_step_bf16_decode_compiled_or_not (and the
+# eager one in the seeded test below). `pytest -m full`: the multi-head steps here too.
+@default_run(lambda case: case.heads == "gqa+window")
 @pytest.mark.parametrize("attn, heads", [("eager", "multi-head"), ("triton", "multi-head"), ("sdpa", "multi-head"),
                                          ("triton", "gqa+window")])
 def test_a_compiled_decode_step_draws_the_tokens_of_the_uncompiled_one(attn, heads):

@@ -91,14 +91,15 @@ def words(command):
 NEEDED_TOGETHER = {text for command, needed in PREREQUISITES.items() for text in (command, *needed)}
 
 
-def commands_where(keep, once=False):
-    """Parametrize over the commands `keep` takes, each text once (the first doc's) if `once`."""
+def commands_where(keep, once=False, full=()):
+    """Parametrize over the commands `keep` takes, each text once (the first doc's) if `once`;
+    those whose text is in `full` marked full (`pytest -m full` runs them)."""
     chosen = sorted({c for c in COMMANDS if keep(c)}, key=str)
     if once:
         chosen = list({c.text: c for c in reversed(chosen)}.values())[::-1]
-    return pytest.mark.parametrize("command", [
-        pytest.param(c, id=str(c), marks=[pytest.mark.xdist_group("prerequisites")] if c.text in NEEDED_TOGETHER else [])
-        for c in chosen])
+    return pytest.mark.parametrize("command", [pytest.param(c, id=str(c), marks=(
+        [pytest.mark.xdist_group("prerequisites")] if c.text in NEEDED_TOGETHER else []) + (
+        [pytest.mark.full] if c.text in full else [])) for c in chosen])
 
 
 @cache
@@ -157,6 +158,7 @@ def run_doc_command(command, cwd, timeout=900):
 
 def test_the_docs_give_commands():
     assert len(COMMANDS) > 20 and {c.doc for c in COMMANDS} >= {"README.md", "learn.md"}
+    assert set(RUN_BY_FULL) <= {c.text for c in COMMANDS}, "RUN_BY_FULL names a command the docs no longer give"
 
 
 @commands_where(lambda c: not c.program and words(c.text)[0] == "python")
@@ -415,8 +417,23 @@ RUN_ABOVE = {"python train.py configs/tiny.py --max_iters=50 --attn=eager --out_
              "python tests/test_triton_configs.py", "python docs/causal_tiles.py"}
 
 
+# Commands whose run as written repeats, at length, a path a test of the default run checks (named
+# here): `pytest -m full` runs them as written (CI runs both); the default run checks their files
+# and keys (test_script_commands_name_real_files_and_keys).
+RUN_BY_FULL = {
+    "python compare.py configs/tiny.py --max_iters=5 --eval_iters=2":  # every backend trained, 5 iters each
+        "test_compare.py::test_compare_trains_every_backend_and_writes_the_report_and_figure",
+    "python compare.py configs/tiny.py --backends=eager,tiled --max_iters=20":
+        "test_compare.py::test_compare_trains_every_backend_and_writes_the_report_and_figure",
+    "python train.py configs/tiny.py --attn=triton --max_iters=5 --eval_iters=1 --out_dir=out-triton --overwrite=True":
+        "test_compare.py's comparison, whose triton run is train.py --attn=triton",
+    "python sample.py --benchmark=True --init_from=random --n_kv_head=3 --attn=sdpa --max_new_tokens=64":
+        "test_kv_cache.py::test_sample_benchmark_of_grouped_heads_times_one_kv_head_per_query_head_beside_it",
+}
+
+
 @commands_where(lambda c: not c.gpu and not c.program and words(c.text)[0] == "python" and c.text not in RUN_ABOVE,
-                once=True)
+                once=True, full=RUN_BY_FULL)
 def test_cpu_command_runs_as_written(command, repo_copy):
     ran = run_doc_command(command, repo_copy)
     assert ran.returncode == 0, f"`{command.text}` exited {ran.returncode}: {ran.stderr[-3000:]}"
