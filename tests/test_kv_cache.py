@@ -10,7 +10,7 @@ import torch
 
 import model as model_module
 from attention import BACKENDS
-from conftest import run_script
+from conftest import default_run, run_script
 from model import GPT, GPTConfig
 
 # Grouped-query heads (two query heads per kv head) and a window of 5 keys before each query:
@@ -38,6 +38,10 @@ def prompt(batch=2, length=5, vocab_size=50257):
     return torch.randint(0, vocab_size, (batch, length), generator=torch.Generator().manual_seed(1))
 
 
+# triton_fwd generates with triton's kernels (it differs in the backward alone), and the triton
+# kernels' multi-head decode is one case of the grouped one (tests/test_decode.py checks both):
+# the default run generates with triton's grouped heads and window; `pytest -m full`, the rest.
+@default_run(lambda case: case.attn not in ("triton", "triton_fwd") or (case.attn, case.heads) == ("triton", "gqa+window"))
 @pytest.mark.parametrize("heads", ["multi-head", "gqa+window"])
 @pytest.mark.parametrize("attn", BACKENDS)
 def test_greedy_tokens_are_the_same_with_and_without_the_cache_past_block_size(attn, heads):

@@ -8,6 +8,7 @@ from torch._dynamo.backends.common import aot_autograd
 
 import model as model_module
 from attention import BACKENDS
+from conftest import default_run
 from model import GPT, GPTConfig
 from test_kv_cache import GQA_WINDOW
 
@@ -73,6 +74,9 @@ def test_eager_and_sdpa_give_the_same_logits_and_gradients():
         torch.testing.assert_close(sdpa_grads[name], eager_grads[name], rtol=1e-9, atol=1e-12, msg=name)
 
 
+# The default run compiles triton with grouped heads and a window (its operators, as without);
+# `pytest -m full` also without.
+@default_run(lambda case: case.attn != "triton" or case.overrides)
 @pytest.mark.parametrize("attn, overrides", [
     ("triton", {}), ("triton_fwd", {}), ("tiled", {}), ("triton", dict(n_head=4, n_kv_head=2, window=5))])
 def test_a_compiled_model_matches_the_plain_model(attn, overrides):

@@ -16,7 +16,7 @@ import numpy as np
 import pytest
 import torch
 
-from conftest import REPO, run_script, script_command
+from conftest import REPO, default_run, run_script, script_command
 from training.config import EXIT_OUT_OF_MEMORY
 from training.run_files import load_checkpoint, resume_point
 
@@ -61,6 +61,9 @@ def interrupt(signum, tiny_args, tmp_path):
     return process.wait(timeout=120), out_dir
 
 
+# One handler takes the three signals (training/devices.py): the default run sends SIGINT (and
+# the tests below SIGTERM); `pytest -m full`, SIGTERM and SIGHUP here too.
+@default_run(lambda case: case.signum == signal.SIGINT)
 @pytest.mark.parametrize("signum", [signal.SIGINT, signal.SIGTERM, signal.SIGHUP], ids=["SIGINT", "SIGTERM", "SIGHUP"])
 def test_signal_saves_a_checkpoint_at_the_current_iteration_and_exits_128_plus_signum(signum, tiny_args, tmp_path):
     returncode, out_dir = interrupt(signum, tiny_args, tmp_path)
