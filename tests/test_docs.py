@@ -431,6 +431,12 @@ RUN_BY_FULL = {
         "test_compare.py's comparison, whose triton run is train.py --attn=triton",
     "python sample.py --benchmark=True --init_from=random --n_kv_head=3 --attn=sdpa --max_new_tokens=64":
         "test_kv_cache.py::test_sample_benchmark_of_grouped_heads_times_one_kv_head_per_query_head_beside_it",
+    "python train.py configs/tiny.py":  # 100 iterations
+        "test_train.py::test_tiny_config_loss_falls_and_metrics_have_the_documented_keys",
+    "python sample.py --out_dir=out-tiny --start=FILE:data/shakespeare/prompt.txt":  # after the 100 iterations
+        "test_train.py::test_sample_prints_text_from_the_checkpoint",
+    "python sample.py --init_from=random":  # 10 samples of 500 tokens from the default run's model
+        "test_kv_cache.py::test_sample_benchmark_of_a_random_model_of_the_gpu_run_shape",
 }
 
 

@@ -181,6 +181,9 @@ def test_sample_takes_the_smallest_temperature(trained_out_dir):
     assert result.returncode == 0, result.stderr
 
 
+# One check takes both Triton backends (training/config.py's TRITON_BACKENDS): the default run
+# samples with triton; `pytest -m full`, with triton_fwd too.
+@default_run(lambda case: case.attn == "triton")
 @pytest.mark.parametrize("attn", ["triton", "triton_fwd"])
 def test_sample_rejects_a_triton_backend_for_the_checkpoints_head_dim(attn, tmp_path):
     """A checkpoint of head dim 18 (n_embd=36, n_head=2), trained with eager, sampled with triton."""

@@ -382,17 +382,29 @@ def assert_same_checkpoint(path, expected_path):
     assert [key for key in state if not same(state[key], expected[key])] == []
 
 
+BEST_CHECKPOINT_RUN = ["--always_save_checkpoint=False", "--eval_interval=4", "--max_iters=12", "--log_interval=1",
+                       "--dropout=0.1"]
+
+
+@pytest.fixture(scope="module")
+def uninterrupted_best_checkpoint_run(data_dir, tmp_path_factory):
+    """The run the test below resumes to, uninterrupted: trained once for both signal timings."""
+    out_dir = tmp_path_factory.mktemp("straight")
+    straight = run_script("train.py", "configs/tiny.py", f"--data_dir={data_dir}", "--eval_iters=2",
+                          *BEST_CHECKPOINT_RUN, f"--out_dir={out_dir}")
+    assert straight.returncode == 0, straight.stderr
+    return out_dir
+
+
 @pytest.mark.parametrize("signal_after", [6, 4], ids=["between evaluations", "at an evaluation"])
-def test_a_signal_keeps_the_best_checkpoint_and_the_resumed_run_ends_as_an_uninterrupted_one(signal_after, tiny_args,
-                                                                                               tmp_path):
+def test_a_signal_keeps_the_best_checkpoint_and_the_resumed_run_ends_as_an_uninterrupted_one(
+        signal_after, uninterrupted_best_checkpoint_run, tiny_args, tmp_path):
     """ckpt.pt is the best checkpoint (always_save_checkpoint=False). A SIGTERM after step 6
     saves resume.pt and leaves ckpt.pt (iter 4) alone; one after step 4 cuts that iteration's
     evaluation short, which the resumed run runs again. Either way the resumed run logs what an
     uninterrupted one does and ends with its checkpoint, bit for bit."""
-    common = [*tiny_args, "--always_save_checkpoint=False", "--eval_interval=4", "--max_iters=12", "--log_interval=1",
-              "--dropout=0.1"]
-    straight = run_script("train.py", *common, f"--out_dir={tmp_path / 'straight'}")
-    assert straight.returncode == 0, straight.stderr
+    common = [*tiny_args, *BEST_CHECKPOINT_RUN]
+    straight = uninterrupted_best_checkpoint_run
     out_dir = tmp_path / "out"
     stopped = run_script("train.py", *common, env=shim_env("signal_after_step", SIGNAL_AFTER_STEPS=str(signal_after)))
     assert stopped.returncode == 128 + signal.SIGTERM, stopped.stderr
@@ -406,8 +418,8 @@ def test_a_signal_keeps_the_best_checkpoint_and_the_resumed_run_ends_as_an_unint
     resumed = run_script("train.py", *common, "--init_from=resume")
     assert resumed.returncode == 0, resumed.stderr
     assert ("its evaluation cut short by a signal: evaluating again" in resumed.stdout) == (signal_after == 4)
-    assert records(out_dir) == records(tmp_path / "straight")
-    assert_same_checkpoint(out_dir / "ckpt.pt", tmp_path / "straight" / "ckpt.pt")
+    assert records(out_dir) == records(straight)
+    assert_same_checkpoint(out_dir / "ckpt.pt", straight / "ckpt.pt")
     assert not (out_dir / "resume.pt").exists()  # the later ckpt.pt superseded it
 
 
