@@ -5,7 +5,8 @@ A command is a line of a ```bash block, or `python ...` / `pytest ...` in backti
 span may cross a line break); a ```python block is a program. A command that needs a CUDA card
 says so: `*(GPU)*` right after it, or a `# GPU` comment in a bash block (every bench.py one).
 - CPU commands run as written in one copy of the repo (less what .gitignore names; one a worker), each once,
-  after the commands they need (PREREQUISITES), and must exit 0. A `pytest` selection
+  after the commands they need (PREREQUISITES), and must exit 0; the longest, whose paths default tests
+  check, under `pytest -m full` (RUN_BY_FULL). A `pytest` selection
   is a part of the suite CI runs (`pytest`, the README's own command): here it must select tests.
 - GPU commands name real files and keys here; the GPU test at the end runs those of the README
   and the course as written (`bash .ci/gpu course`), and every one has a stage in .ci/gpu.
@@ -134,7 +135,7 @@ def repo_copy(tmp_path_factory):
     return copy_of_the_repo(tmp_path_factory.mktemp("repo"))
 
 
-RAN = {}  # (copy, command text) -> its CompletedProcess
+RAN = {}  # (copy, command text, stdin) -> its CompletedProcess
 
 
 def run_once(text, cwd, timeout, stdin=None):
@@ -206,7 +207,7 @@ def test_pytest_commands_select_tests(command):
 def test_the_readmes_pytest_is_what_ci_runs():
     """The bare `pytest` the README gives is the default run, and `pytest -m full` the rest of
     the exhaustive grids: the last two commands .ci/run runs."""
-    assert {Command("README.md", "pytest", gpu=False), Command("README.md", "pytest -m full", gpu=False)} <= set(COMMANDS)
+    assert {Command("README.md", text, gpu=False) for text in ("pytest", "pytest -m full")} <= set(COMMANDS)
     assert (REPO / ".ci" / "run").read_text().strip().splitlines()[-2:] == ["pytest", "pytest -m full"]
 
 
@@ -374,19 +375,18 @@ def test_chapter_6_a_kv_head_that_sums_one_query_head_fails_dk_and_dv_where_g_ex
     # and the model's fused projection with 2 kv heads for 4, checked as one d(qkv)
     assert failed_ids(ran) == grouped | {"test_strided_views_of_a_fused_grouped_projection[triton]"}, ran.stdout[-3000:]
     messages = [line for line in ran.stdout.splitlines() if line.startswith("E   ") and "triton dK: max" in line]
-    assert len(grouped) >= 3 and len(messages) == len(grouped) and all(m.endswith("right within 1e-04: triton O, triton dQ") and "triton dV: max" in m
-                                      for m in messages)
+    assert len(grouped) >= 3 and len(messages) == len(grouped)
+    assert all(m.endswith("right within 1e-04: triton O, triton dQ") and "triton dV: max" in m for m in messages)
 
 
 def test_chapter_7_eager_and_tiled_train_to_the_same_losses(repo_copy):
     eager, tiled = (learn_command(f"python train.py configs/tiny.py --max_iters=50 --attn={b}") for b in ("eager", "tiled"))
-    copy = repo_copy
     # The first again (--overwrite=True lets it): run as written each time, not once.
-    runs = [shell(c.text, copy) for c in (eager, tiled, eager)]
+    runs = [shell(c.text, repo_copy) for c in (eager, tiled, eager)]
     assert all(run.returncode == 0 for run in runs), [run.stderr[-2000:] for run in runs]
     losses = []
     for out_dir in ("out-eager", "out-tiled"):
-        records = [json.loads(line) for line in (copy / out_dir / "metrics.jsonl").read_text().splitlines()]
+        records = [json.loads(line) for line in (repo_copy / out_dir / "metrics.jsonl").read_text().splitlines()]
         losses.append([r.get("loss", r.get("val_loss")) for r in records])
     assert len(losses[0]) == len(losses[1]) > 5
     assert max(abs(a - b) for a, b in zip(*losses)) < 1e-5
