@@ -91,7 +91,7 @@ def _load_query_tile(Q, K, V, q_slots, kv_ring, b, h, start_m, N_K, ring, tiles_
     _, n_tiles = key_tile_counts_gl(start_m, N_K, IS_CAUSAL, 2 * BLOCK_M, BLOCK_N)
     for half in gl.static_range(2):
         q_buf, q_phase = _q_buffer(tiles_done, half)
-        # The first wait on an "empty" barrier passes at once, as in _load_into_ring.
+        # The first wait on an "empty" barrier passes at once, as in common.load_into_ring.
         mbarrier.wait(q_empty.index(q_buf), q_phase ^ 1)
         mbarrier.expect(q_ready.index(q_buf), Q.block_type.nbytes)
         tma_load(Q, [b, h, start_m + half * BLOCK_M, 0], q_ready.index(q_buf), q_smem.index(q_buf))
@@ -137,7 +137,7 @@ def online_softmax_update(acc, l_i, m_i, s, qk_scale):
     these kernels take, every row sees key 0, in the first tile it visits."""
     m_new = gl.maximum(m_i, gl.max(s, 1) * qk_scale)
     p = gl.exp2(s * qk_scale - m_new[:, None])
-    alpha = gl.exp2(m_i - m_new)  # how much the old maximum overstated the new one
+    alpha = gl.exp2(m_i - m_new)  # <= 1: rescales the sums taken against the old, smaller maximum
     l_i = l_i * alpha + gl.sum(p, 1)
     acc = acc * gl.convert_layout(alpha, gl.SliceLayout(1, acc.type.layout))[:, None]
     return p, acc, l_i, m_new
