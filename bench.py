@@ -10,6 +10,7 @@ process on one CUDA card.
     python bench.py --mode=step --block_sizes=256,512,1024,4096 --max_memory_gb=12   # ... and memory, per context
     python bench.py --mode=decode        # one decoding step against a full KV cache: bytes read, share of the bandwidth
     NANOFA2_ADA=1 python bench.py ...    # the path an RTX 4070 Super takes (attention/launch.py says what)
+    python bench.py --impl=mine          # your functions (mine/) beside ours and FA2; on a CPU, in the interpreter
 
 The grids are the FlashAttention-2 paper's (16k tokens a batch, hidden 2048, N from 512 to 16k,
 head dims 64 and 128, causal and not) and a long-context one, q, k, v being views of one fused
@@ -23,7 +24,8 @@ The decode mode times decode_attention alone, one new token against a full cache
 and sdpa over the whole cache with no mask, exact there; triton at other split counts too),
 replayed from a CUDA graph as sample.py runs it, and divides the K and V bytes read by the time
 and by the card's memory bandwidth. Writes JSON and markdown (and a plot of each grid)
-to --out. Whole-model decoding: sample.py --benchmark=True.
+to --out. Whole-model decoding: sample.py --benchmark=True. --impl=mine (bench_mine) prints a table
+of its own and writes nothing.
 """
 import functools
 import json
@@ -55,6 +57,7 @@ class BenchConfig:
     max_memory_gb: float = 0.0  # mode=step: cap torch's CUDA memory at this many GiB (12: a 12 GB card); 0: no cap
     rep_ms: int = 100  # do_bench's timing window per measurement, ms
     out: str = "bench-out"  # folder for the results
+    impl: str = choice("ours", ("ours", "mine"))  # mine: time your functions (mine/) beside ours at one shape, on a CPU too
 
 
 def check(config):
@@ -66,6 +69,8 @@ def check(config):
         raise ConfigError(f"backends={config.backends!r}: unknown {sorted(unknown)}; choose from {', '.join(BACKENDS)}")
     if not all(size.isdigit() and int(size) >= 1 for size in config.block_sizes.split(",")):
         raise ConfigError(f"block_sizes={config.block_sizes!r}: expected ints >= 1, comma-separated, e.g. 256,512")
+    if config.impl == "mine" and config.mode != "grid":
+        raise ConfigError(f"impl=mine times your functions at a shape of its own: it takes no mode (got {config.mode!r})")
 
 
 config = parse_config(BenchConfig, check=check, usage=__doc__)  # before torch loads: --help answers at once
@@ -76,10 +81,12 @@ from torch.nn.attention import SDPBackend, sdpa_kernel  # noqa: E402
 
 from attention import attention, decode_attention, launch, store_in_cache, triton_decode  # noqa: E402
 from attention.masks import UNBOUNDED  # noqa: E402
+from attention.hopper import backward as hopper_backward  # noqa: E402
 from attention.hopper import forward as hopper_forward  # noqa: E402
 from attention.launch import fitting_configs  # noqa: E402
 from attention.triton_backward import BACKWARD_CONFIGS, backward_smem_rows, flash_backward  # noqa: E402
 from attention.triton_forward import FORWARD_CONFIGS, flash_forward, forward_smem_rows  # noqa: E402
+from attention import tiled, triton_backward, triton_forward  # noqa: E402
 from model import GPT, GPTConfig, compile_model  # noqa: E402
 from training.devices import World, autocast, cap_memory, synchronize  # noqa: E402
 from training.step import make_train_step  # noqa: E402
@@ -474,6 +481,72 @@ def step_table(results):
     return "\n".join(lines)
 
 
+def median_ms(fn):
+    """do_bench's median on a GPU; on a CPU, where the interpreter's time says nothing of a GPU's,
+    one call (after the caller's first, which compiles)."""
+    if torch.cuda.is_available():
+        return triton.testing.do_bench(fn, rep=config.rep_ms, return_mode="median")
+    start = time.perf_counter()
+    fn()
+    return 1000 * (time.perf_counter() - start)
+
+
+def bench_mine():
+    """Your functions (mine/) beside ours: the tiled forward (PyTorch), then the Triton forward and
+    forward+backward, both tuned, the Hopper kernels off (as for the ladder's tuned rung), beside
+    torch's FA2. The ladder's shape on a GPU; on a CPU a small one, through the interpreter. Yours
+    run in copies of our modules (mine.with_mine); each row gives its time and how far its outputs
+    are from ours: yours should be ours to rounding."""
+    import mine
+    cuda = torch.cuda.is_available()
+    shape = dict(B=4, H=16, N=4096, D=64, causal=True, dtype="bfloat16") if cuda else \
+        dict(B=1, H=2, N=100, D=16, causal=True, dtype="float32")
+    print(f"B={shape['B']} H={shape['H']} N={shape['N']} D={shape['D']} causal {shape['dtype']} on "
+          + (torch.cuda.get_device_name() if cuda else "the CPU, through Triton's interpreter"))
+    print("yours: " + (", ".join(f"{name} ({step.file.replace('.', '/')}.py)" for step, name in mine.written())
+                       or "none written yet, so every row runs ours"))
+    g = torch.Generator().manual_seed(0)
+    q, k, v, do = (torch.randn(shape["B"], shape["H"], shape["N"], shape["D"], generator=g).to(
+        "cuda" if cuda else "cpu", getattr(torch, shape["dtype"])) for _ in range(4))
+    causal = shape["causal"]
+
+    def forward_backward(fwd, bwd):
+        def run():
+            o, lse = fwd(q, k, v, causal)
+            return (o, *bwd(q, k, v, o, do, lse, causal))
+        return run
+
+    def fa2_forward_backward():
+        leaves = [t.detach().requires_grad_() for t in (q, k, v)]
+        o = run_provider("sdpa_flash", *leaves, causal)
+        return (o, *torch.autograd.grad(o, leaves, do))
+
+    yours_tiled, yours_fwd, yours_bwd = (mine.with_mine(m) for m in ("attention.tiled", "attention.triton_forward",
+                                                                     "attention.triton_backward"))
+    rows = {"tiled forward": {"yours": lambda: yours_tiled.tiled_forward(q, k, v, causal)[:1],
+                              "ours": lambda: tiled.tiled_forward(q, k, v, causal)[:1]},
+            "Triton forward": {"yours": lambda: yours_fwd.flash_forward(q, k, v, causal)[:1],
+                               "ours": lambda: triton_forward.flash_forward(q, k, v, causal)[:1]},
+            "Triton forward+backward": {
+                "yours": forward_backward(yours_fwd.flash_forward, yours_bwd.flash_backward),
+                "ours": forward_backward(triton_forward.flash_forward, triton_backward.flash_backward)}}
+    if cuda:
+        rows["Triton forward"]["FA2"] = lambda: (run_provider("sdpa_flash", q, k, v, causal),)
+        rows["Triton forward+backward"]["FA2"] = fa2_forward_backward
+    names = ("O", "dQ", "dK", "dV")
+    with mock.patch.object(hopper_forward, "serves", lambda *args: False), \
+            mock.patch.object(hopper_backward, "serves", lambda *args: False):
+        for label, runs in rows.items():
+            ours = runs["ours"]()
+            for who, run in runs.items():
+                diff = ", ".join(f"{name} {(a.float() - b.float()).abs().max().item():.1e}"
+                                 for name, a, b in zip(names, run(), ours))
+                ms = median_ms(run)
+                tflops = flops(shape, "fwd+bwd" if "backward" in label else "fwd") / ms / 1e9
+                speed = f"{tflops:6.1f} TFLOP/s ({tflops_of_peak(tflops):>4} of peak)  " if cuda else ""
+                print(f"{label:<24} {who:<6} {ms:9.3f} ms  {speed}from ours: {diff}", flush=True)
+
+
 def environment():
     props = torch.cuda.get_device_properties(0)
     card = this_card()
@@ -496,6 +569,8 @@ def write(name, results, markdown=None):
 
 
 def main():
+    if config.impl == "mine":
+        return bench_mine()
     if not torch.cuda.is_available():
         raise SystemExit("bench.py times GPU kernels: it needs a CUDA GPU")
     os.makedirs(config.out, exist_ok=True)

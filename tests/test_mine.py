@@ -193,3 +193,26 @@ def test_the_track_fails_on_the_templates_and_passes_on_the_repos_functions(tmp_
     assert "yours in place of ours: mine/online_softmax.py online_softmax_update, mine/tiled_forward.py " \
            "tiled_forward, mine/key_loop.py online_softmax_update, mine/key_loop.py _key_tiles, " \
            "mine/dkdv_loop.py _dkdv_query_tiles" in solved.stdout, solved.stdout[:2000]
+
+
+def test_bench_times_yours_beside_ours(tmp_path):
+    """`python bench.py --impl=mine` on the CPU, in a copy of the repo whose mine/ holds the repo's
+    functions but a key loop that forgets to rescale: the rows labelled yours run yours (the
+    forward's O is off, and only there), those labelled ours run ours."""
+    copy = tmp_path / "repo"
+    shutil.copytree(REPO, copy, ignore=shutil.ignore_patterns(".git", "__pycache__", "*.bin", "input.txt", "out*",
+                                                               "bench-out", ".venv*"))
+    for step in mine.STEPS:
+        path = copy / (step.file.replace(".", "/") + ".py")
+        path.write_text(with_the_repos_functions(path.read_text(), step).replace("acc * alpha[:, None])", "acc)"))
+    ran = subprocess.run([sys.executable, "bench.py", "--impl=mine"], cwd=copy, capture_output=True, text=True,
+                         timeout=900)
+    assert ran.returncode == 0, ran.stderr[-3000:]
+    assert "yours: online_softmax_update (mine/online_softmax.py)" in ran.stdout and "(mine/key_loop.py)" in ran.stdout
+    rows = {(label, who): {name: float(value) for name, value in re.findall(r"(O|dQ|dK|dV) ([0-9.e+-]+)", diff)}
+            for label, who, diff in re.findall(r"^(.*?) +(yours|ours) .* from ours: (.*)$", ran.stdout, re.M)}
+    assert len(rows) == 6 and all(value == 0 for (_, who), diff in rows.items() if who == "ours"
+                                  for value in diff.values()), ran.stdout
+    assert rows["tiled forward", "yours"] == {"O": 0.0}, ran.stdout  # steps 1 and 2 are the repo's own
+    assert rows["Triton forward", "yours"]["O"] > 0.1 and rows["Triton forward+backward", "yours"]["O"] > 0.1, \
+        ran.stdout
