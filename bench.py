@@ -33,7 +33,6 @@ import os
 import platform
 import statistics
 import time
-from collections import namedtuple
 from dataclasses import asdict, dataclass, replace
 from unittest import mock
 
@@ -88,33 +87,16 @@ from attention.triton_backward import BACKWARD_CONFIGS, backward_smem_rows, flas
 from attention.triton_forward import FORWARD_CONFIGS, flash_forward, forward_smem_rows  # noqa: E402
 from attention import tiled, triton_backward, triton_forward  # noqa: E402
 from model import GPT, GPTConfig, compile_model  # noqa: E402
-from training.devices import World, autocast, cap_memory, synchronize  # noqa: E402
+from training.devices import CARDS, World, autocast, cap_memory, synchronize  # noqa: E402
 from training.step import make_train_step  # noqa: E402
 
 import triton  # noqa: E402, I001  (after attention, which decides whether Triton interprets)
 
-# What a TFLOP/s or GB/s figure is a fraction of: each card's dense (no sparsity) 16-bit
-# tensor-core peak with float32 accumulation, as the kernels accumulate, and its memory bandwidth,
-# keyed by the name torch.cuda.get_device_name gives. NANOFA2_ADA=1 changes the code path, not
-# the card: on an H100 its fractions are of the H100's peak, not an RTX 4070 Super's.
-Card = namedtuple("Card", "tflops gb_per_s source")
-CARDS = {
-    # GeForce cards run fp16/bf16 MMA with fp32 accumulation at half the fp16-accumulate rate:
-    # 512 FLOP a clock per SM (NVIDIA Ada GPU architecture whitepaper, appendix: RTX 4090, 165.2
-    # TFLOP/s from 128 SMs at 2,520 MHz) x 56 SMs x 2,475 MHz boost = 71.0 TFLOP/s; 21 Gbps GDDR6X
-    # on a 192-bit bus = 504 GB/s (NVIDIA's RTX 4070 family specifications).
-    "NVIDIA GeForce RTX 4070 SUPER": Card(71.0, 504, "Ada whitepaper's per-SM rate x 56 SMs x 2,475 MHz"),
-    # 989.4 dense BF16/FP16 TFLOP/s (the datasheet's 1,979 is with 2:4 sparsity), 3.35 TB/s HBM3:
-    # NVIDIA H100 Tensor Core GPU datasheet, SXM5 column (torch names the SXM5 card so).
-    "NVIDIA H100 80GB HBM3": Card(989.4, 3350, "NVIDIA H100 datasheet, SXM"),
-    # The same tensor cores and clocks as the H100 SXM, 4.8 TB/s HBM3e: NVIDIA H200 datasheet, SXM.
-    "NVIDIA H200": Card(989.4, 4800, "NVIDIA H200 datasheet, SXM"),
-}
-
 
 def this_card(name=None):
-    """The CARDS entry of the card named (by default the one bench.py runs on), or None for a
-    card not in the table."""
+    """The CARDS entry (training/devices.py) of the card named (by default the one bench.py runs
+    on), or None for a card not in the table. NANOFA2_ADA=1 changes the code path, not the card:
+    on an H100 its fractions are of the H100's peak, not an RTX 4070 Super's."""
     return CARDS.get(name or torch.cuda.get_device_name())
 
 

@@ -822,7 +822,7 @@ def test_bench_decode_times_what_its_labels_say(bench, monkeypatch):
 
 
 @pytest.mark.parametrize("card, bandwidth", [("NVIDIA H100 80GB HBM3", 3.35e12), ("NVIDIA H200", 4.8e12),
-                                             ("NVIDIA GeForce RTX 4070 SUPER", 504e9), ("NVIDIA H100 PCIe", None)])
+                                             ("NVIDIA GeForce RTX 4070 SUPER", 504e9), ("Tesla T4", None)])
 def test_bench_decode_knows_the_bandwidth_of_the_repos_cards_by_name(bench, card, bandwidth):
     entry = bench.this_card(card)
     assert (entry and entry.gb_per_s * 1e9) == bandwidth
