@@ -173,14 +173,3 @@ def test_the_gluon_tile_rules_are_the_masks(rows, block, n_q, n_k, is_causal):
     seen = masks.visible_in_tile_gl.fn(rows_, cols_, n_k, is_causal).broadcast_to(n_q, n_k + 7)
     assert torch.equal(seen, masks.visible_in_tile(rows_, cols_, mask))
 
-
-def test_causal_tiles_figure_is_drawn(tmp_path):
-    """docs/causal_tiles.py, which draws the tiles from masks.py, runs from anywhere."""
-    import subprocess
-    import sys
-    from pathlib import Path
-
-    script = Path(__file__).resolve().parent.parent / "docs" / "causal_tiles.py"
-    out = tmp_path / "tiles.png"
-    subprocess.run([sys.executable, str(script), "--out", str(out)], cwd=tmp_path, check=True, timeout=300)
-    assert out.read_bytes()[:8] == b"\x89PNG\r\n\x1a\n"
