@@ -19,6 +19,7 @@ PRINTS = {
                       r"dK/dV program: 5 full, 1 masked", r"dQ program: 5 full, 1 masked"],
     "roofline": [r"16x16 +15\.8 +52\.9 +38\.0 +38\.0 +8\.0", r"128x64 +116\.9 +391\.6 +286\.8 +211\.9 +58\.9"],
     "loss_curves": [r"triton: best val loss 4\.6259 at iteration 1600", r"sdpa: best val loss 4\.6255 at iteration 1600"],
+    "paper_grid": [r"forward over cuDNN: 0\.49 \(D, causal, N = \(128, True, 1024\)\) to 1\.11; next lowest 0\.92"],
     "sweep": [r"peak GPU memory \(MB\), eager: 256: 6441\.0, .* 4096: OOM"],
     "causal_tiles": [r"causal; forward and dQ: .* 25 skipped", r"window of 72 keys; forward and dQ: .* 34 skipped"],
 }
