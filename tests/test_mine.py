@@ -21,7 +21,7 @@ import triton
 
 import mine
 from attention import eager_attention_with_lse, tiled, triton_backward, triton_forward
-from conftest import REPO
+from conftest import REPO, run_script
 from test_attention import TOLERANCE, assert_all_close, check_backend, random_qkv, reference
 
 TOL = TOLERANCE[torch.float32]
@@ -216,3 +216,9 @@ def test_bench_times_yours_beside_ours(tmp_path):
     assert rows["tiled forward", "yours"] == {"O": 0.0}, ran.stdout  # steps 1 and 2 are the repo's own
     assert rows["Triton forward", "yours"]["O"] > 0.1 and rows["Triton forward+backward", "yours"]["O"] > 0.1, \
         ran.stdout
+
+
+def test_bench_impl_mine_refuses_a_mode_in_one_line():
+    ran = run_script("bench.py", "--impl=mine", "--mode=ladder", timeout=120)
+    assert ran.returncode == 2 and ran.stderr.strip().splitlines() == [
+        "config error: impl=mine times your functions at a shape of its own: it takes no mode (got 'ladder')"]
