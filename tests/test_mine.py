@@ -164,12 +164,17 @@ def with_the_repos_functions(template, step):
     return "\n".join(lines) + "\n"
 
 
-def test_the_track_fails_on_the_templates_and_passes_on_the_repos_functions(tmp_path, request):
+@pytest.fixture
+def templates(request):
+    """The tests of the track itself work on mine/ as the repo ships it: the templates."""
+    if request.config.getoption("impl") == "mine" or mine.written():
+        pytest.skip("tests the templates as the repo ships them: runs without --impl=mine and before you write")
+
+
+def test_the_track_fails_on_the_templates_and_passes_on_the_repos_functions(tmp_path, templates):
     """CI's proof of the track: `pytest --impl=mine tests/test_mine.py` in a copy of the repo fails
     every step's test on the templates as shipped, and passes them all once the repo's functions
     are put in the templates' place (so the templates import all they need)."""
-    if request.config.getoption("impl") == "mine" or mine.written():
-        pytest.skip("mine/ holds your functions: this proves the templates, as the repo ships them")
     copy = tmp_path / "repo"
     for part in ("attention", "data", "mine", "tests"):
         shutil.copytree(REPO / part, copy / part, ignore=shutil.ignore_patterns("__pycache__", "*.bin", "input.txt"))
@@ -195,7 +200,7 @@ def test_the_track_fails_on_the_templates_and_passes_on_the_repos_functions(tmp_
            "mine/dkdv_loop.py _dkdv_query_tiles" in solved.stdout, solved.stdout[:2000]
 
 
-def test_bench_times_yours_beside_ours(tmp_path):
+def test_bench_times_yours_beside_ours(tmp_path, templates):
     """`python bench.py --impl=mine` on the CPU, in a copy of the repo whose mine/ holds the repo's
     functions but a key loop that forgets to rescale: the rows labelled yours run yours (the
     forward's O is off, and only there), those labelled ours run ours."""
