@@ -112,6 +112,28 @@ def test_a_cache_of_no_rows_is_refused_naming_the_cache(backend):
         decode_attention(q, k, v, k_cache, v_cache, torch.tensor([0]), backend=backend)
 
 
+@pytest.mark.parametrize("backend", BACKENDS)
+@pytest.mark.parametrize("S", [8, 1100])  # 1,100 rows: past 4 tiles, so the split planner runs
+def test_an_empty_batch_decodes_to_the_empty_result_on_every_backend(backend, S):
+    # The split planner divided by the batch's programs, and the tiled twin's reshape could not
+    # infer a dim of an empty tensor; eager and sdpa gave the empty result.
+    q, k, v, k_cache, v_cache = decode_inputs(0, 4, 2, S, 16)
+    with torch.no_grad():
+        o = decode_attention(q, k, v, k_cache, v_cache, torch.tensor([5]), backend=backend)
+    assert o.shape == (0, 4, 1, 16) and o.dtype == q.dtype
+
+
+@pytest.mark.parametrize("backend", BACKENDS)
+@pytest.mark.parametrize("cache", ["k_cache", "v_cache"])
+def test_a_cache_whose_rows_share_memory_is_refused_naming_it_on_every_backend(backend, cache):
+    # expand() gives every sequence the same rows: the triton kernel stored each sequence's token
+    # on the one shared row and returned the wrong output; the others failed inside index_copy_.
+    inputs = dict(zip(("q", "k", "v", "k_cache", "v_cache"), decode_inputs(3, 4, 2, 8, 16)))
+    inputs[cache] = inputs[cache][:1].expand(3, -1, -1, -1)
+    with pytest.raises(ValueError, match=rf"^{cache} has rows that share memory \(stride 0 along dim 0"):
+        decode_attention(**inputs, pos=torch.tensor([3]), backend=backend)
+
+
 @pytest.mark.parametrize("backend", ["triton", "triton_fwd"])
 @pytest.mark.parametrize("needs_grad", ["q", "k", "v", "k_cache", "v_cache"])
 def test_gradients_through_the_triton_decode_are_refused_not_left_none(backend, needs_grad):
@@ -189,6 +211,14 @@ def test_a_pos_outside_the_cache_is_refused_naming_it_on_every_backend(backend, 
     with pytest.raises(ValueError, match=rf"pos={pos} is outside the cache's S=8 rows"):
         decode_attention(q, k, v, k_cache, v_cache, torch.tensor([pos]), backend=backend)
     assert torch.equal(k_cache, k_before) and torch.equal(v_cache, v_before)  # refused before any write
+
+
+@pytest.mark.parametrize("pos", [16, -1])
+def test_a_models_decode_step_at_a_pos_outside_the_cache_is_refused_by_decodes_check(pos):
+    # The position embedding read pos first: an IndexError (on a GPU a device-side assert).
+    gpt = context_sensitive_gpt("eager")
+    with pytest.raises(ValueError, match=rf"^pos={pos} is outside the cache's S=16 rows"):
+        gpt.decode_step(prompt(length=1), torch.tensor([pos]), gpt.new_cache(2))
 
 
 @pytest.mark.parametrize("backend", BACKENDS)
