@@ -93,6 +93,8 @@ def check_compare_config(config, passed_on):
     if config.compile_both and any(arg.startswith("--compile=") for arg in passed_on):
         raise ConfigError("--compile: compile_both=True trains every backend both ways; give one or the other")
     check_folder("out", config.out, writable=True)
+    if config.from_runs and not split_list(config.from_runs):
+        raise ConfigError(f"from_runs={config.from_runs!r}: expected the out_dirs of train.py runs, comma-separated")
     for out_dir in split_list(config.from_runs):
         check_finished_run(out_dir)
     for arg in passed_on:

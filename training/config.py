@@ -354,6 +354,9 @@ def check_paths(config):
 
 def check_folder(key, path, writable):
     """A folder at `path`, or none yet and one that can be made there; writable if asked."""
+    if not path:  # os.path.abspath('') is the current folder, os.makedirs('') an error
+        raise ConfigError(f"{key}='': expected a folder's path (made if missing), got an empty one; '.' is the "
+                          "current folder")
     if os.path.exists(path) and not os.path.isdir(path):
         raise ConfigError(f"{key}={path!r} is a file; expected a folder (made if missing)")
     existing = os.path.abspath(path)
