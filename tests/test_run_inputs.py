@@ -25,12 +25,15 @@ BAD_META = [
     ({"val_tokens": 12.5}, "val_tokens=12.5, expected an int >= 1"),
     ({"vocab_size": "300"}, "vocab_size='300', expected an int >= 2"),
     ({"train_chars": -1}, "train_chars=-1, expected an int >= 1"),
-    ({"gpt2_ids": [3, "a"]}, "gpt2_ids=[3, 'a'], expected a list of GPT-2 token ids"),
+    ({"gpt2_ids": [3, "a"]}, "gpt2_ids=[3, 'a'], expected a list of strictly increasing GPT-2 token ids"),
     ({"gpt2_ids": [1, 2, 3]}, "3 gpt2_ids for vocab_size=300, expected one GPT-2 id per token id"),
     ({"vocab_size": None}, "vocab_size=None, expected an int >= 2"),
     ({"vocab_size": True}, "vocab_size=True, expected an int >= 2"),
     ({"dtype": "uint8"}, "vocab_size=300, but its dtype uint8 holds ids up to 255 only"),
     ({"vocab_size": 1, "gpt2_ids": [5]}, "vocab_size=1, expected an int >= 2 (one token leaves nothing to predict)"),
+    # Not increasing: training ran to the end and saved checkpoints that sample.py and resume refused.
+    ({"gpt2_ids": [0, 4, 2] + list(range(6, 600, 2))}, "gpt2_ids=[0, 4, 2, 6, 8, 10, 12, 14, 16, 18, 20, 22, 24, 26, "
+                                                       "28, 30, ..., expected a list of strictly increasing GPT-2 token ids"),
 ]
 
 
@@ -82,6 +85,9 @@ BAD_CHECKPOINTS = [
     ("numpy rng", corrupt_numpy_state, "its rng entry 0 is not a set of random states (IndexError: "),
     ("scaler", lambda state: state.update(scaler={"scale": "big"}),
      "its scaler is {'scale': 'big'}, expected a GradScaler's state: empty, or"),
+    # It passed this check, and GPT() refused it with a traceback.
+    ("window", lambda state: state["model_args"].update(window=2 ** 63),
+     "its model_args has window=9223372036854775808, which no GPT of its other fields can have"),
 ]
 
 
@@ -99,8 +105,12 @@ def test_checkpoint_structure_is_checked(key, corrupt, message, trained_out_dir,
     assert message in str(info.value)
 
 
+# What each script meets, a subprocess each: the window's fault takes n_kv_head's path.
+SCRIPT_CHECKPOINTS = [fault for fault in BAD_CHECKPOINTS[1:] if fault[0] != "window"]
+
+
 @pytest.mark.parametrize("script", ["train.py", "sample.py"])
-@pytest.mark.parametrize("key,corrupt,message", BAD_CHECKPOINTS[1:], ids=[key for key, _, _ in BAD_CHECKPOINTS[1:]])
+@pytest.mark.parametrize("key,corrupt,message", SCRIPT_CHECKPOINTS, ids=[key for key, _, _ in SCRIPT_CHECKPOINTS])
 def test_a_malformed_checkpoint_is_one_line_and_exit_1_before_any_work(script, key, corrupt, message, trained_out_dir,
                                                                        data_dir, tmp_path):
     corrupt_checkpoint(trained_out_dir, tmp_path, corrupt)
@@ -112,6 +122,14 @@ def test_a_malformed_checkpoint_is_one_line_and_exit_1_before_any_work(script, k
     assert message in result.stderr and "Traceback" not in result.stderr
     assert len(result.stderr.strip().splitlines()) == 1
     assert "parameters" not in result.stdout and not (tmp_path / "metrics.jsonl").exists()
+
+
+def test_an_empty_checkpoint_file_is_refused_as_corrupt(tmp_path):
+    # torch.load's error on a 0-byte file has no text: the message's first line of it was an IndexError.
+    (tmp_path / "ckpt.pt").write_bytes(b"")
+    with pytest.raises(RunFileError, match=rf"^{tmp_path / 'ckpt.pt'} cannot be read, it is truncated or corrupt "
+                                           r"\((\w+)(: [^\n]+)?\)\. Restore it from a copy, or train from scratch$"):
+        load_checkpoint(str(tmp_path / "ckpt.pt"))
 
 
 @pytest.mark.parametrize("saved, given", [(-1, 8), (8, -1), (8, 16)], ids=["window added", "window dropped",
