@@ -1,9 +1,13 @@
 """What a run reads before it starts: meta.json, the checkpoint, sample.py's settings, and a
 data folder several runs prepare at once. Each fault is one clear line and the right exit
 status, before any work or any file is written; never a traceback."""
+import contextlib
+import fcntl
 import json
+import os
 import shutil
 import subprocess
+import threading
 from dataclasses import asdict
 
 import pytest
@@ -230,3 +234,47 @@ def test_three_runs_preparing_one_folder_at_once_all_succeed(tmp_path):
     for returncode, _, stderr in start_together(commands):
         assert returncode == 0, stderr
     assert sorted(p.name for p in folder.iterdir()) == ["meta.json", "train.bin", "val.bin"]
+
+
+@contextlib.contextmanager
+def held_by_another_process(folder):
+    """folder's lock held as another process holds it (flock on a descriptor of its own), until the
+    block ends or release() is called."""
+    fd = os.open(folder, os.O_RDONLY)
+    fcntl.flock(fd, fcntl.LOCK_EX)
+    released = []
+
+    def release():
+        if not released:
+            released.append(os.close(fd))
+    try:
+        yield release
+    finally:
+        release()
+
+
+def test_a_data_dir_that_is_a_run_in_progress_out_dir_is_refused_naming_the_run(tmp_path):
+    # prepare.py printed "running prepare.py", then waited, silently, for the other run to end.
+    from test_config import exit_before_torch
+
+    (tmp_path / "busy").mkdir()
+    (tmp_path / "busy" / "config.json").write_text("{}")
+    with held_by_another_process(tmp_path / "busy"):
+        status, stderr, torch_loaded = exit_before_torch("train.py", "configs/tiny.py", f"--data_dir={tmp_path / 'busy'}",
+                                                         f"--out_dir={tmp_path / 'out'}")
+    assert (status, torch_loaded) == (EXIT_BAD_CONFIG, False)
+    assert stderr.startswith(f"config error: data_dir='{tmp_path / 'busy'}' is the out_dir of a train.py run in "
+                             "progress (it holds the folder's lock, and its config.json is there)")
+    assert len(stderr.strip().splitlines()) == 1 and not (tmp_path / "out").exists()
+
+
+def test_prepare_says_what_it_waits_for_and_goes_on_when_the_lock_is_free(tmp_path, capsys):
+    # Another prepare.py holds the folder (several runs preparing one folder at once): worth
+    # waiting for, and saying so.
+    from data.shakespeare.prepare import prepare
+
+    with held_by_another_process(tmp_path) as release:
+        threading.Timer(0.3, release).start()
+        assert prepare(str(tmp_path), skip_if=lambda folder: True) is None  # it took the lock, then found it done
+    assert capsys.readouterr().out == (f"waiting for {tmp_path}: another process holds its lock (a prepare.py writing "
+                                       "the data there, or a train.py run whose out_dir it is)\n")
