@@ -302,15 +302,6 @@ def test_an_unknown_decode_backend_is_named():
         decode_attention(*decode_inputs(1, 2, 1, 8, 16), torch.tensor([3]), backend="flash")
 
 
-@pytest.mark.parametrize("left", [-1, 4])
-def test_the_triton_decode_operator_passes_opcheck(left):
-    # opcheck also checks that the schema declares every input the operator writes: the caches.
-    # The operator takes the window's left side as the kernel does: unbounded is a large int.
-    q, k, v, k_cache, v_cache = decode_inputs(2, 4, 2, 19, 16)
-    torch.library.opcheck(torch.ops.nanofa2.decode_attention.default,
-                          (q, k, v, k_cache, v_cache, torch.tensor([7]), window_bounds(False, (left, 0))[0]))
-
-
 # Split-KV (triton_decode.py) and its twin (decode.tiled_decode_splits) at split counts and tiles
 # the tests choose: 16-key tiles, so that short caches have several tiles a split and splits
 # past pos, before the window and past the cache's end (7 splits of a 3- or 4-tile cache).
