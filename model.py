@@ -142,6 +142,7 @@ class StaticDecoder:
         self.token = torch.zeros(batch, 1, dtype=torch.long, device=device)
         self.pos = torch.zeros(1, dtype=torch.long, device=device)
         self.drawn = torch.zeros(batch, cache.block_size, dtype=torch.long, device=device)
+        self.graphed = device.type == "cuda"  # captured at the first decode, then replayed
         self.graph = None
 
     def step(self):
@@ -159,7 +160,7 @@ class StaticDecoder:
             raise ValueError(f"{n_tokens} tokens after {start} cached exceed block_size={self.drawn.shape[1]}")
         self.token.copy_(token)
         self.pos.fill_(start)  # the value goes in as a kernel argument: no host-to-device copy
-        if self.cache.device.type == "cuda" and self.graph is None:
+        if self.graphed and self.graph is None:
             self.capture()
         for _ in range(n_tokens):
             if self.graph is None:

@@ -1,5 +1,7 @@
 """The Triton kernels under torch.compile and CUDA graphs, on the GPU (run by `.ci/gpu tests`).
-The CPU versions of these checks are in test_model.py, test_decode.py and test_train.py."""
+The CPU versions of these checks are in test_attention.py (the operators' opcheck, one list of
+calls for both), test_model.py, test_decode.py, test_step.py (the step's CUDA graph, the capture
+mocked) and test_train.py."""
 import pytest
 import torch
 

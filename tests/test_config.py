@@ -168,6 +168,20 @@ def test_the_default_run_compiles_and_replays_a_cuda_graph_on_a_gpu_and_neither_
     assert resolve_switches(TrainConfig(compile=True), "cpu").compile is True
 
 
+@pytest.mark.parametrize("bf16", [True, False])
+def test_the_gpu_runs_in_bfloat16_where_the_card_has_it_else_float16(bf16, monkeypatch):
+    # The CPU twin of test_trains_on_the_gpu_with_mixed_precision's dtype, the card mocked.
+    from training.devices import pick_dtype
+
+    monkeypatch.setattr(torch.cuda, "is_bf16_supported", lambda: bf16)
+    cuda = torch.device("cuda")
+    assert pick_dtype("auto", cuda) == (torch.bfloat16 if bf16 else torch.float16)
+    assert pick_dtype("float16", cuda) == torch.float16 and pick_dtype("auto", torch.device("cpu")) == torch.float32
+    if not bf16:
+        with pytest.raises(ConfigError, match="dtype='bfloat16' is not supported by this GPU; use float16 or auto"):
+            pick_dtype("bfloat16", cuda)
+
+
 def test_cuda_graph_takes_the_compile_modes_without_graphs_of_their_own():
     for mode in ("default", "max-autotune-no-cudagraphs"):
         check_config(TrainConfig(cuda_graph=True, compile=True, compile_mode=mode))

@@ -24,7 +24,8 @@ from attention.launch import ADA_SHARED_MEMORY_BYTES, head_dim_block
 from conftest import REPO
 from model import GPT, GPTConfig, sample_next_token
 from test_kv_cache import GQA_WINDOW, context_sensitive_gpt, prompt
-from torch._dynamo.testing import CompileCounter  # imports triton: after attention, which picks the interpreter
+from test_step import mock_cuda_graph
+from torch._dynamo.testing import CompileCounter, CompileCounterWithBackend  # imports triton: after attention, which picks the interpreter
 from torch.utils._python_dispatch import TorchDispatchMode
 from training.devices import generation_precision
 
@@ -624,6 +625,30 @@ def test_a_captured_split_kv_decode_is_right_wherever_pos_moves(compiled):
         assert torch.equal(k_cache.double().cpu(), k_expected) and torch.equal(v_cache.double().cpu(), v_expected)
 
 
+def test_a_compiled_split_kv_decode_is_right_wherever_pos_moves():
+    # The CPU twin of test_a_captured_split_kv_decode_is_right_wherever_pos_moves: the split count
+    # comes from S alone and pos is read from memory, so one graph, traced once at the last row,
+    # is right at 0 (one split sees a key), inside the cache (a window of 300 keys leaves splits
+    # empty on both sides) and at the last row.
+    torch._dynamo.reset()
+    B, H, H_kv, S, D, left = 1, 4, 2, 1100, 16, 300
+    q, k, v, k_cache, v_cache = decode_inputs(B, H, H_kv, S, D)
+    assert triton_decode.split_plan(k_cache)[0] > 4
+    pos = torch.tensor([S - 1])
+    compiles = CompileCounterWithBackend("aot_eager")
+    step = torch.compile(lambda: decode_attention(q, k, v, k_cache, v_cache, pos, (left, 0)), backend=compiles,
+                         fullgraph=True)
+    with torch.no_grad():
+        for p in (S - 1, 0, 700):
+            k_before, v_before = k_cache.clone(), v_cache.clone()
+            pos.fill_(p)
+            o = step()
+            o_expected, k_expected, v_expected = expected(q, k, v, k_before, v_before, p, left)
+            torch.testing.assert_close(o.double(), o_expected, atol=1e-5, rtol=1e-5)
+            assert torch.equal(k_cache.double(), k_expected) and torch.equal(v_cache.double(), v_expected)
+    assert compiles.frame_count == 1
+
+
 def uncaptured_greedy(gpt, tokens, max_new_tokens):
     """Greedy decoding by hand: a prefill, then gpt.decode_step called directly, token by token,
     with no StaticDecoder and so no CUDA graph (within block_size: no refill)."""
@@ -701,6 +726,59 @@ def test_a_cuda_graph_captured_at_the_last_position_of_the_cache():
     expected_tokens = gpt.generate(tokens, max_new_tokens=6, top_k=1, kv_cache=False)
     assert torch.equal(gpt.generate(tokens, max_new_tokens=6, top_k=1), expected_tokens)
     assert len(set(expected_tokens[0, 15:].tolist())) > 3
+
+
+def captured_on_the_cpu(monkeypatch, gpt, batch, temperature=1.0, top_k=None):
+    """The StaticDecoder generate will use, capturing and replaying as on CUDA with the capture
+    mocked (test_step.mock_cuda_graph): the CPU twin of the CUDA graph tests above. Its warm-up's
+    forked RNG is the CPU's, which sampling draws from here. Returns the capture's call counts."""
+    decoder = gpt.reusable_decoder(batch, torch.device("cpu"), temperature, top_k)
+    decoder.graphed = True
+    fork_rng = torch.random.fork_rng
+    monkeypatch.setattr(torch.random, "fork_rng", lambda devices: fork_rng(devices=[]))
+    return mock_cuda_graph(monkeypatch, decoder, "step")
+
+
+def test_a_decoder_captured_once_draws_the_tokens_of_the_uncaptured_one_on_every_call(monkeypatch):
+    # The CPU twin of test_a_cuda_graph_decode_draws_the_tokens_of_the_uncaptured_one: recorded
+    # at its first decode, the graph is replayed for every token after, across calls.
+    gpt = context_sensitive_gpt("eager", vocab_size=512)
+    tokens = prompt(batch=3, vocab_size=512)
+    with torch.no_grad():
+        expected_tokens = uncaptured_greedy(gpt, tokens, 10)
+    counts = captured_on_the_cpu(monkeypatch, gpt, batch=3, top_k=1)
+    decoder = gpt.generate_decoder
+    for _ in range(2):
+        assert torch.equal(gpt.generate(tokens, max_new_tokens=10, top_k=1), expected_tokens)
+        assert gpt.generate_decoder is decoder and decoder.graph is not None
+    assert counts == {"captured": 1, "replayed": 2 * 10 - 2}  # each call: a prefill's token, then replays
+
+
+def test_a_captured_decoder_draws_the_sampled_tokens_of_the_uncaptured_decode_for_one_seed(monkeypatch):
+    # The CPU twin of test_a_cuda_graph_draws_the_sampled_tokens_of_the_uncaptured_decode_for_one_seed:
+    # the capture's warm-up draws on a forked RNG, so the replays draw what uncaptured steps would.
+    gpt = context_sensitive_gpt("sdpa", vocab_size=512)
+    tokens = prompt(batch=3, vocab_size=512)
+    with torch.no_grad():
+        torch.manual_seed(5)
+        expected_tokens = uncaptured_sampled(gpt, tokens, 10, temperature=1.0, top_k=50)
+    assert all(len(set(row[5:].tolist())) > 5 for row in expected_tokens)
+    captured_on_the_cpu(monkeypatch, gpt, batch=3, top_k=50)
+    for _ in range(2):
+        torch.manual_seed(5)
+        assert torch.equal(gpt.generate(tokens, max_new_tokens=10, temperature=1.0, top_k=50), expected_tokens)
+
+
+def test_a_decoder_captured_at_the_last_position_of_the_cache_never_steps_past_it(monkeypatch):
+    # The CPU twin of test_a_cuda_graph_captured_at_the_last_position_of_the_cache: a 15-token
+    # prompt leaves room for one step (block_size=16); its warm-up steps start from the saved pos,
+    # and a step past the cache would be refused (decode_step checks pos).
+    gpt = context_sensitive_gpt("sdpa", vocab_size=512)
+    tokens = prompt(batch=1, length=15, vocab_size=512)
+    expected_tokens = gpt.generate(tokens, max_new_tokens=6, top_k=1, kv_cache=False)
+    counts = captured_on_the_cpu(monkeypatch, gpt, batch=1, top_k=1)
+    assert torch.equal(gpt.generate(tokens, max_new_tokens=6, top_k=1), expected_tokens)
+    assert counts["captured"] == 1 and len(set(expected_tokens[0, 15:].tolist())) > 3
 
 
 def bf16_generation_gpt(attn, seed=0):
