@@ -46,7 +46,8 @@ SETUP_KEYS = {**dict.fromkeys(("attn", "device", "dtype"), (str,)), "gpu": (str,
               **dict.fromkeys(("n_layer", "n_head", "n_embd", "block_size", "batch_size", "gradient_accumulation_steps",
                                "tokens_per_iter", "max_iters", "seed"), (int,))}
 # A metrics record's values by key, where not a number: what the report and its figure compute with.
-RECORD_TYPES = {"iter": (int,), "warmup": (bool,), "mfu": (int, float, type(None)), "peak_mem_mb": (int, float, type(None))}
+RECORD_TYPES = {"iter": (int,), "warmup": (bool,), "mfu": (int, float, type(None)),
+                "peak_mem_mb": (int, float, type(None))}
 # profile.json's values the report reads, besides each category's ms (training/profiling.py writes them).
 PROFILE_TYPES = {"device": (str,), "steps": (int,), "step_ms": (int, float), "peak_mem_mb": (int, float, type(None)),
                  "attention_saved_mb": (int, float, type(None))}

@@ -73,9 +73,9 @@ def test_the_decode_table_gives_the_fraction_of_the_cards_bandwidth(bench, monke
 
 
 @pytest.mark.parametrize("args, message", [
-    (["--compile_modes=none,fast"], "compile_modes='none,fast': unknown ['fast']; each is none or a torch.compile mode "
-                                    "(default, reduce-overhead, max-autotune, max-autotune-no-cudagraphs), +graph for the "
-                                    "step's CUDA graph"),
+    (["--compile_modes=none,fast"], "compile_modes='none,fast': unknown ['fast']; each is none or a torch.compile "
+                                    "mode (default, reduce-overhead, max-autotune, max-autotune-no-cudagraphs), +graph "
+                                    "for the step's CUDA graph"),
     (["--compile_modes=reduce-overhead+graph"], "compile_modes='reduce-overhead+graph': reduce-overhead captures "
                                                 "CUDA graphs of its own (+graph goes with none, default or "
                                                 "max-autotune-no-cudagraphs)"),

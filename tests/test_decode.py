@@ -1,14 +1,15 @@
 """decode_attention: one new token per sequence, stored into a static KV cache and attending over
 the cached keys its window sees, every backend against a float64 reference, with grouped-query
 heads, windows, odd cache lengths and any head dim; split-KV and its twin at every split count
-(splits past pos, before the window and past the cache's end; the partial outputs and
-log-sum-exps alike split for split), the split count the host picks, and the kernels' shared
-memory on the target card; the inputs it refuses (a cache of no rows, gradients the triton
-kernel cannot give, a pos of another dtype or outside the cache) and the cache rows that never
-change its result (stale NaN outside the window); sample_next_token, the one sampling function
-of every decoding path; a compiled decode step that draws exactly the tokens of the uncompiled
-one, and writes the cache in place; generation with the weights cast to bf16 once (no cast per
-token, the same tokens compiled or not, the cached logits those of the whole context)."""
+(splits past pos, before the window and past the cache's end; the partial outputs and log-sum-exps
+alike split for split), the split count the host picks, and the kernels' shared memory on the target
+card; the inputs it refuses (a cache of no rows or of rows that share memory, gradients the triton
+kernel cannot give, a pos of another dtype or outside the cache), an empty batch, and the cache rows
+that never change its result (stale NaN outside the window); sample_next_token, the one sampling
+function of every decoding path; a compiled decode step that draws exactly the tokens of the
+uncompiled one, and writes the cache in place; a decoder's CUDA graph, the capture mocked on the
+CPU; generation with the weights cast to bf16 once (no cast per token, the same tokens compiled or
+not, the cached logits those of the whole context)."""
 import json
 import os
 import subprocess
@@ -25,7 +26,8 @@ from conftest import REPO
 from model import GPT, GPTConfig, sample_next_token
 from test_kv_cache import GQA_WINDOW, context_sensitive_gpt, prompt
 from test_step import mock_cuda_graph
-from torch._dynamo.testing import CompileCounter, CompileCounterWithBackend  # imports triton: after attention, which picks the interpreter
+# torch._dynamo imports triton: after attention, which picks the interpreter
+from torch._dynamo.testing import CompileCounter, CompileCounterWithBackend
 from torch.utils._python_dispatch import TorchDispatchMode
 from training.devices import generation_precision
 

@@ -36,8 +36,9 @@ BAD_META = [
     ({"dtype": "uint8"}, "vocab_size=300, but its dtype uint8 holds ids up to 255 only"),
     ({"vocab_size": 1, "gpt2_ids": [5]}, "vocab_size=1, expected an int >= 2 (one token leaves nothing to predict)"),
     # Not increasing: training ran to the end and saved checkpoints that sample.py and resume refused.
-    ({"gpt2_ids": [0, 4, 2] + list(range(6, 600, 2))}, "gpt2_ids=[0, 4, 2, 6, 8, 10, 12, 14, 16, 18, 20, 22, 24, 26, "
-                                                       "28, 30, ..., expected a list of strictly increasing GPT-2 token ids"),
+    ({"gpt2_ids": [0, 4, 2] + list(range(6, 600, 2))},
+     "gpt2_ids=[0, 4, 2, 6, 8, 10, 12, 14, 16, 18, 20, 22, 24, 26, 28, 30, ..., expected a list of strictly increasing "
+     "GPT-2 token ids"),
 ]
 
 
