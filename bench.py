@@ -29,6 +29,7 @@ of its own and writes nothing.
 """
 import functools
 import json
+import math
 import os
 import platform
 import statistics
@@ -36,7 +37,8 @@ import time
 from dataclasses import asdict, dataclass, replace
 from unittest import mock
 
-from training.config import BACKENDS, ConfigError, TrainConfig, choice, parse_config
+from training.config import (BACKENDS, COMPILE_MODES, CUDA_GRAPH_COMPILE_MODES, ConfigError, TrainConfig, check_folder,
+                             choice, first_broken, parse_config)
 
 # The backends (attention/backends.py), sdpa split into the kernels torch chooses among.
 SDPA_KERNELS = ("sdpa_flash", "sdpa_cudnn", "sdpa_efficient")
@@ -70,6 +72,19 @@ def check(config):
         raise ConfigError(f"block_sizes={config.block_sizes!r}: expected ints >= 1, comma-separated, e.g. 256,512")
     if config.impl == "mine" and config.mode != "grid":
         raise ConfigError(f"impl=mine times your functions at a shape of its own: it takes no mode (got {config.mode!r})")
+    modes = [mode.removesuffix("+graph") for mode in config.compile_modes.split(",")]
+    unknown = [mode for mode in modes if mode not in ("none", *COMPILE_MODES)]
+    if unknown:
+        raise ConfigError(f"compile_modes={config.compile_modes!r}: unknown {unknown}; each is none or a torch.compile "
+                          f"mode ({', '.join(COMPILE_MODES)}), +graph for the step's CUDA graph")
+    graphed_twice = [mode for mode in config.compile_modes.split(",")
+                     if mode.endswith("+graph") and mode.removesuffix("+graph") in CUDA_GRAPH_COMPILE_MODES]
+    if graphed_twice:
+        raise ConfigError(f"compile_modes={config.compile_modes!r}: {graphed_twice[0].removesuffix('+graph')} captures "
+                          "CUDA graphs of its own (+graph goes with none, default or max-autotune-no-cudagraphs)")
+    first_broken(config, [("max_memory_gb", 0.0 <= config.max_memory_gb < math.inf, "a finite float >= 0 (0: no cap)"),
+                          ("rep_ms", config.rep_ms >= 1, "an int >= 1")])
+    check_folder("out", config.out, writable=True)
 
 
 config = parse_config(BenchConfig, check=check, usage=__doc__)  # before torch loads: --help answers at once

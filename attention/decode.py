@@ -48,6 +48,13 @@ def check_decode_inputs(q, k, v, k_cache, v_cache, pos, window_size):
         if cache.dtype != q.dtype or cache.device != q.device:
             raise ValueError(f"{name} is {cache.dtype} on {cache.device} but q is {q.dtype} on {q.device}; the "
                              "cache stores the projection's keys and values as they are")
+        # torch's own test for memory a write would share (index_copy_'s): stride 0 along a dim
+        # of more than one element. The triton kernel would store every sequence's token on the one row.
+        shared = [dim for dim in range(4) if cache.stride(dim) == 0 and cache.shape[dim] > 1]
+        if shared:
+            raise ValueError(f"{name} has rows that share memory (stride 0 along dim {shared[0]}, as expand() makes): "
+                             f"a step stores each sequence's token in rows of its own; allocate the cache whole, or "
+                             f"pass {name}.contiguous()")
     if v_cache.shape != k_cache.shape:
         raise ValueError(f"v_cache has shape {tuple(v_cache.shape)} but k_cache has {tuple(k_cache.shape)}")
     check_position(pos, q.device, k_cache.shape[2])
@@ -94,6 +101,8 @@ def eager_decode_attention(q, k, v, k_cache, v_cache, pos, left):
 def tiled_decode_attention(q, k, v, k_cache, v_cache, pos, left):
     """The tiled backend's decoding step: Flash-Decoding in PyTorch, split as the kernel splits
     the cache (triton_decode.split_plan)."""
+    if q.shape[0] == 0:  # no sequence: nothing to store or split (the planner counts programs per SM)
+        return q.new_empty(q.shape)
     return tiled_split_kv_decode(q, k, v, k_cache, v_cache, pos, left, *split_plan(k_cache))
 
 
@@ -160,4 +169,6 @@ def triton_kernel_decode_attention(q, k, v, k_cache, v_cache, pos, left):
     if torch.is_grad_enabled() and any(t.requires_grad for t in (q, k, v, k_cache, v_cache)):
         raise ValueError("decode_attention with the triton backends computes no gradient: call it under "
                          "torch.no_grad() (generation), or use eager, tiled or sdpa for gradients")
+    if q.shape[0] == 0:  # no sequence: nothing to store or split (the planner counts programs per SM)
+        return q.new_empty(q.shape)
     return triton_decode_attention(q, k, v, k_cache, v_cache, pos, left)

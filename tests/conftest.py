@@ -13,6 +13,7 @@ import torch
 
 import attention  # noqa: F401  (first: without a GPU it picks Triton's interpreter, before anything loads triton)
 from data.shakespeare.prepare import use_shared_data
+from exit_watchdog import pytest_addoption, pytest_unconfigure  # noqa: F401  (its hooks, registered from here)
 
 REPO = Path(__file__).resolve().parent.parent
 

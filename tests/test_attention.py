@@ -14,7 +14,7 @@ from attention.hopper import backward as hopper_backward
 from attention.hopper import common as hopper_common
 from attention.hopper import forward as hopper_forward
 from attention.launch import descriptor_ready, fitting_configs, shared_memory_bytes
-from attention.masks import UNBOUNDED
+from attention.masks import UNBOUNDED, window_bounds
 from attention.tiled import tiled_forward
 from attention.triton_backward import BACKWARD_CONFIGS, _attn_bwd, backward_smem_rows, flash_backward
 from attention.triton_forward import FORWARD_CONFIGS, _attn_fwd, flash_forward, forward_smem_rows
@@ -341,15 +341,41 @@ def test_triton_gradients_come_from_triton_kernels(monkeypatch):
         attention(q, k, v, True, "triton").sum().backward()
 
 
-def test_custom_ops_pass_opcheck():
-    """Schema, fake implementation with the real outputs' strides, and AOT dispatch, on the
-    model's strided views (grouped, windowed) and on contiguous tensors."""
-    leaf = torch.randn(1, 17, 8, 16)
-    views = leaf.transpose(1, 2).split([4, 2, 2], dim=1)
-    for (q, k, v), mask in ((views, (True, [3, 0])), ([t.contiguous() for t in views], (False, [-1, -1]))):
-        torch.library.opcheck(torch.ops.nanofa2.flash_forward, (q, k, v, *mask))
-        o, lse = torch.ops.nanofa2.flash_forward(q, k, v, *mask)
-        torch.library.opcheck(torch.ops.nanofa2.flash_backward, (q, k, v, o, torch.randn_like(o), lse, *mask))
+def custom_op_calls(device, dtype, n=9, head_dim=16, cache_rows=19):
+    """(operator, arguments) for every nanofa2 custom operator: flash_forward and flash_backward
+    on the model's strided views of one projection (grouped-query heads, a causal window) and on
+    contiguous tensors with N_k != N_q (no mask); decode_attention with the window's left side
+    unbounded (the kernel's large int) and bounded. The CPU test runs them in the interpreter, the
+    GPU test on the card: one list, so that neither calls an operator by a schema it lost."""
+    g = torch.Generator().manual_seed(0)
+
+    def randn(*shape):
+        return torch.randn(*shape, generator=g).to(device, dtype)
+    ops = torch.ops.nanofa2
+    views = randn(1, n, 8, head_dim).transpose(1, 2).split([4, 2, 2], dim=1)
+    contiguous = randn(1, 4, n, head_dim), randn(1, 2, n + 4, head_dim), randn(1, 2, n + 4, head_dim)
+    calls = []
+    for (q, k, v), mask in ((views, (True, [3, 0])), (contiguous, (False, [-1, -1]))):
+        o, lse = ops.flash_forward(q, k, v, *mask)  # the backward's own inputs
+        calls += [(ops.flash_forward.default, (q, k, v, *mask)),
+                  (ops.flash_backward.default, (q, k, v, o, randn(*o.shape), lse, *mask))]
+    q, k, v = randn(2, 1, 8, head_dim).transpose(1, 2).split([4, 2, 2], dim=1)
+    for left in (-1, 4):
+        caches = randn(2, 2, cache_rows, head_dim), randn(2, 2, cache_rows, head_dim)
+        calls.append((ops.decode_attention.default, (q, k, v, *caches, torch.tensor([7], device=device),
+                                                     window_bounds(False, (left, 0))[0])))
+    return calls
+
+
+def test_every_custom_op_passes_opcheck():
+    """Schema, fake implementation with the real outputs' strides, AOT dispatch, and the inputs an
+    operator writes declared in its schema (decode's caches): for every operator the package
+    registers, so that a new one, or a schema changed under a caller, fails here."""
+    calls = custom_op_calls("cpu", torch.float32)
+    registered = {name for name in torch._C._dispatch_get_all_op_names() if name.startswith("nanofa2::")}
+    assert {op.name() for op, _ in calls} == registered
+    for op, args in calls:
+        torch.library.opcheck(op, args)
 
 
 @pytest.mark.parametrize("backend", ["tiled", "triton", "triton_fwd"])

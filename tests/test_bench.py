@@ -70,3 +70,25 @@ def test_the_decode_table_gives_the_fraction_of_the_cards_bandwidth(bench, monke
     assert "| 8 x 16/4 x 4,096 x 64 | 34 MB | 7 | 133 | 50% | 266 | 25% |" in bench.decode_table(rows)
     monkeypatch.setattr(bench, "this_card", lambda: None)
     assert "| 133 | ? | 266 | ? |" in bench.decode_table(rows)
+
+
+@pytest.mark.parametrize("args, message", [
+    (["--compile_modes=none,fast"], "compile_modes='none,fast': unknown ['fast']; each is none or a torch.compile "
+                                    "mode (default, reduce-overhead, max-autotune, max-autotune-no-cudagraphs), +graph "
+                                    "for the step's CUDA graph"),
+    (["--compile_modes=reduce-overhead+graph"], "compile_modes='reduce-overhead+graph': reduce-overhead captures "
+                                                "CUDA graphs of its own (+graph goes with none, default or "
+                                                "max-autotune-no-cudagraphs)"),
+    (["--max_memory_gb=-1"], "max_memory_gb=-1.0: expected a finite float >= 0 (0: no cap)"),
+    (["--rep_ms=0"], "rep_ms=0: expected an int >= 1"),
+    (["--out=FILE"], "out='FILE' is a file; expected a folder (made if missing)"),
+], ids=["compile mode", "graph twice", "memory cap", "rep_ms", "out a file"])
+def test_bench_refuses_a_bad_setting_before_torch_loads(args, message, tmp_path):
+    # On a GPU each died with a traceback, after loading torch and building the first model.
+    from test_config import exit_before_torch
+
+    (tmp_path / "FILE").write_text("not a folder")
+    args = [arg.replace("FILE", str(tmp_path / "FILE")) for arg in args]
+    status, stderr, torch_loaded = exit_before_torch("bench.py", "--mode=step", *args)
+    assert (status, torch_loaded) == (2, False)
+    assert stderr == f"config error: {message.replace('FILE', str(tmp_path / 'FILE'))}\n"

@@ -1,14 +1,15 @@
 """decode_attention: one new token per sequence, stored into a static KV cache and attending over
 the cached keys its window sees, every backend against a float64 reference, with grouped-query
 heads, windows, odd cache lengths and any head dim; split-KV and its twin at every split count
-(splits past pos, before the window and past the cache's end; the partial outputs and
-log-sum-exps alike split for split), the split count the host picks, and the kernels' shared
-memory on the target card; the inputs it refuses (a cache of no rows, gradients the triton
-kernel cannot give, a pos of another dtype or outside the cache) and the cache rows that never
-change its result (stale NaN outside the window); sample_next_token, the one sampling function
-of every decoding path; a compiled decode step that draws exactly the tokens of the uncompiled
-one, and writes the cache in place; generation with the weights cast to bf16 once (no cast per
-token, the same tokens compiled or not, the cached logits those of the whole context)."""
+(splits past pos, before the window and past the cache's end; the partial outputs and log-sum-exps
+alike split for split), the split count the host picks, and the kernels' shared memory on the target
+card; the inputs it refuses (a cache of no rows or of rows that share memory, gradients the triton
+kernel cannot give, a pos of another dtype or outside the cache), an empty batch, and the cache rows
+that never change its result (stale NaN outside the window); sample_next_token, the one sampling
+function of every decoding path; a compiled decode step that draws exactly the tokens of the
+uncompiled one, and writes the cache in place; a decoder's CUDA graph, the capture mocked on the
+CPU; generation with the weights cast to bf16 once (no cast per token, the same tokens compiled or
+not, the cached logits those of the whole context)."""
 import json
 import os
 import subprocess
@@ -24,7 +25,9 @@ from attention.launch import ADA_SHARED_MEMORY_BYTES, head_dim_block
 from conftest import REPO
 from model import GPT, GPTConfig, sample_next_token
 from test_kv_cache import GQA_WINDOW, context_sensitive_gpt, prompt
-from torch._dynamo.testing import CompileCounter  # imports triton: after attention, which picks the interpreter
+from test_step import mock_cuda_graph
+# torch._dynamo imports triton: after attention, which picks the interpreter
+from torch._dynamo.testing import CompileCounter, CompileCounterWithBackend
 from torch.utils._python_dispatch import TorchDispatchMode
 from training.devices import generation_precision
 
@@ -112,6 +115,28 @@ def test_a_cache_of_no_rows_is_refused_naming_the_cache(backend):
         decode_attention(q, k, v, k_cache, v_cache, torch.tensor([0]), backend=backend)
 
 
+@pytest.mark.parametrize("backend", BACKENDS)
+@pytest.mark.parametrize("S", [8, 1100])  # 1,100 rows: past 4 tiles, so the split planner runs
+def test_an_empty_batch_decodes_to_the_empty_result_on_every_backend(backend, S):
+    # The split planner divided by the batch's programs, and the tiled twin's reshape could not
+    # infer a dim of an empty tensor; eager and sdpa gave the empty result.
+    q, k, v, k_cache, v_cache = decode_inputs(0, 4, 2, S, 16)
+    with torch.no_grad():
+        o = decode_attention(q, k, v, k_cache, v_cache, torch.tensor([5]), backend=backend)
+    assert o.shape == (0, 4, 1, 16) and o.dtype == q.dtype
+
+
+@pytest.mark.parametrize("backend", BACKENDS)
+@pytest.mark.parametrize("cache", ["k_cache", "v_cache"])
+def test_a_cache_whose_rows_share_memory_is_refused_naming_it_on_every_backend(backend, cache):
+    # expand() gives every sequence the same rows: the triton kernel stored each sequence's token
+    # on the one shared row and returned the wrong output; the others failed inside index_copy_.
+    inputs = dict(zip(("q", "k", "v", "k_cache", "v_cache"), decode_inputs(3, 4, 2, 8, 16)))
+    inputs[cache] = inputs[cache][:1].expand(3, -1, -1, -1)
+    with pytest.raises(ValueError, match=rf"^{cache} has rows that share memory \(stride 0 along dim 0"):
+        decode_attention(**inputs, pos=torch.tensor([3]), backend=backend)
+
+
 @pytest.mark.parametrize("backend", ["triton", "triton_fwd"])
 @pytest.mark.parametrize("needs_grad", ["q", "k", "v", "k_cache", "v_cache"])
 def test_gradients_through_the_triton_decode_are_refused_not_left_none(backend, needs_grad):
@@ -189,6 +214,14 @@ def test_a_pos_outside_the_cache_is_refused_naming_it_on_every_backend(backend, 
     with pytest.raises(ValueError, match=rf"pos={pos} is outside the cache's S=8 rows"):
         decode_attention(q, k, v, k_cache, v_cache, torch.tensor([pos]), backend=backend)
     assert torch.equal(k_cache, k_before) and torch.equal(v_cache, v_before)  # refused before any write
+
+
+@pytest.mark.parametrize("pos", [16, -1])
+def test_a_models_decode_step_at_a_pos_outside_the_cache_is_refused_by_decodes_check(pos):
+    # The position embedding read pos first: an IndexError (on a GPU a device-side assert).
+    gpt = context_sensitive_gpt("eager")
+    with pytest.raises(ValueError, match=rf"^pos={pos} is outside the cache's S=16 rows"):
+        gpt.decode_step(prompt(length=1), torch.tensor([pos]), gpt.new_cache(2))
 
 
 @pytest.mark.parametrize("backend", BACKENDS)
@@ -270,15 +303,6 @@ def test_the_triton_decode_backend_names_a_head_dim_it_cannot_take(D):
 def test_an_unknown_decode_backend_is_named():
     with pytest.raises(ValueError, match="backend='flash' is not one of"):
         decode_attention(*decode_inputs(1, 2, 1, 8, 16), torch.tensor([3]), backend="flash")
-
-
-@pytest.mark.parametrize("left", [-1, 4])
-def test_the_triton_decode_operator_passes_opcheck(left):
-    # opcheck also checks that the schema declares every input the operator writes: the caches.
-    # The operator takes the window's left side as the kernel does: unbounded is a large int.
-    q, k, v, k_cache, v_cache = decode_inputs(2, 4, 2, 19, 16)
-    torch.library.opcheck(torch.ops.nanofa2.decode_attention.default,
-                          (q, k, v, k_cache, v_cache, torch.tensor([7]), window_bounds(False, (left, 0))[0]))
 
 
 # Split-KV (triton_decode.py) and its twin (decode.tiled_decode_splits) at split counts and tiles
@@ -603,6 +627,30 @@ def test_a_captured_split_kv_decode_is_right_wherever_pos_moves(compiled):
         assert torch.equal(k_cache.double().cpu(), k_expected) and torch.equal(v_cache.double().cpu(), v_expected)
 
 
+def test_a_compiled_split_kv_decode_is_right_wherever_pos_moves():
+    # The CPU twin of test_a_captured_split_kv_decode_is_right_wherever_pos_moves: the split count
+    # comes from S alone and pos is read from memory, so one graph, traced once at the last row,
+    # is right at 0 (one split sees a key), inside the cache (a window of 300 keys leaves splits
+    # empty on both sides) and at the last row.
+    torch._dynamo.reset()
+    B, H, H_kv, S, D, left = 1, 4, 2, 1100, 16, 300
+    q, k, v, k_cache, v_cache = decode_inputs(B, H, H_kv, S, D)
+    assert triton_decode.split_plan(k_cache)[0] > 4
+    pos = torch.tensor([S - 1])
+    compiles = CompileCounterWithBackend("aot_eager")
+    step = torch.compile(lambda: decode_attention(q, k, v, k_cache, v_cache, pos, (left, 0)), backend=compiles,
+                         fullgraph=True)
+    with torch.no_grad():
+        for p in (S - 1, 0, 700):
+            k_before, v_before = k_cache.clone(), v_cache.clone()
+            pos.fill_(p)
+            o = step()
+            o_expected, k_expected, v_expected = expected(q, k, v, k_before, v_before, p, left)
+            torch.testing.assert_close(o.double(), o_expected, atol=1e-5, rtol=1e-5)
+            assert torch.equal(k_cache.double(), k_expected) and torch.equal(v_cache.double(), v_expected)
+    assert compiles.frame_count == 1
+
+
 def uncaptured_greedy(gpt, tokens, max_new_tokens):
     """Greedy decoding by hand: a prefill, then gpt.decode_step called directly, token by token,
     with no StaticDecoder and so no CUDA graph (within block_size: no refill)."""
@@ -680,6 +728,59 @@ def test_a_cuda_graph_captured_at_the_last_position_of_the_cache():
     expected_tokens = gpt.generate(tokens, max_new_tokens=6, top_k=1, kv_cache=False)
     assert torch.equal(gpt.generate(tokens, max_new_tokens=6, top_k=1), expected_tokens)
     assert len(set(expected_tokens[0, 15:].tolist())) > 3
+
+
+def captured_on_the_cpu(monkeypatch, gpt, batch, temperature=1.0, top_k=None):
+    """The StaticDecoder generate will use, capturing and replaying as on CUDA with the capture
+    mocked (test_step.mock_cuda_graph): the CPU twin of the CUDA graph tests above. Its warm-up's
+    forked RNG is the CPU's, which sampling draws from here. Returns the capture's call counts."""
+    decoder = gpt.reusable_decoder(batch, torch.device("cpu"), temperature, top_k)
+    decoder.graphed = True
+    fork_rng = torch.random.fork_rng
+    monkeypatch.setattr(torch.random, "fork_rng", lambda devices: fork_rng(devices=[]))
+    return mock_cuda_graph(monkeypatch, decoder, "step")
+
+
+def test_a_decoder_captured_once_draws_the_tokens_of_the_uncaptured_one_on_every_call(monkeypatch):
+    # The CPU twin of test_a_cuda_graph_decode_draws_the_tokens_of_the_uncaptured_one: recorded
+    # at its first decode, the graph is replayed for every token after, across calls.
+    gpt = context_sensitive_gpt("eager", vocab_size=512)
+    tokens = prompt(batch=3, vocab_size=512)
+    with torch.no_grad():
+        expected_tokens = uncaptured_greedy(gpt, tokens, 10)
+    counts = captured_on_the_cpu(monkeypatch, gpt, batch=3, top_k=1)
+    decoder = gpt.generate_decoder
+    for _ in range(2):
+        assert torch.equal(gpt.generate(tokens, max_new_tokens=10, top_k=1), expected_tokens)
+        assert gpt.generate_decoder is decoder and decoder.graph is not None
+    assert counts == {"captured": 1, "replayed": 2 * 10 - 2}  # each call: a prefill's token, then replays
+
+
+def test_a_captured_decoder_draws_the_sampled_tokens_of_the_uncaptured_decode_for_one_seed(monkeypatch):
+    # The CPU twin of test_a_cuda_graph_draws_the_sampled_tokens_of_the_uncaptured_decode_for_one_seed:
+    # the capture's warm-up draws on a forked RNG, so the replays draw what uncaptured steps would.
+    gpt = context_sensitive_gpt("sdpa", vocab_size=512)
+    tokens = prompt(batch=3, vocab_size=512)
+    with torch.no_grad():
+        torch.manual_seed(5)
+        expected_tokens = uncaptured_sampled(gpt, tokens, 10, temperature=1.0, top_k=50)
+    assert all(len(set(row[5:].tolist())) > 5 for row in expected_tokens)
+    captured_on_the_cpu(monkeypatch, gpt, batch=3, top_k=50)
+    for _ in range(2):
+        torch.manual_seed(5)
+        assert torch.equal(gpt.generate(tokens, max_new_tokens=10, temperature=1.0, top_k=50), expected_tokens)
+
+
+def test_a_decoder_captured_at_the_last_position_of_the_cache_never_steps_past_it(monkeypatch):
+    # The CPU twin of test_a_cuda_graph_captured_at_the_last_position_of_the_cache: a 15-token
+    # prompt leaves room for one step (block_size=16); its warm-up steps start from the saved pos,
+    # and a step past the cache would be refused (decode_step checks pos).
+    gpt = context_sensitive_gpt("sdpa", vocab_size=512)
+    tokens = prompt(batch=1, length=15, vocab_size=512)
+    expected_tokens = gpt.generate(tokens, max_new_tokens=6, top_k=1, kv_cache=False)
+    counts = captured_on_the_cpu(monkeypatch, gpt, batch=1, top_k=1)
+    assert torch.equal(gpt.generate(tokens, max_new_tokens=6, top_k=1), expected_tokens)
+    assert counts["captured"] == 1 and len(set(expected_tokens[0, 15:].tolist())) > 3
 
 
 def bf16_generation_gpt(attn, seed=0):
