@@ -13,9 +13,10 @@ import torch
 
 import attention  # noqa: F401  (first: without a GPU it picks Triton's interpreter, before anything loads triton)
 from data.shakespeare.prepare import use_shared_data
-from exit_watchdog import pytest_addoption, pytest_unconfigure  # noqa: F401  (its hooks, registered from here)
 
 REPO = Path(__file__).resolve().parent.parent
+# tests/exit_watchdog.py: a finished pytest process that does not exit names what holds it.
+pytest_plugins = ["exit_watchdog"]
 
 # The scripts' rule for offline data (see prepare.py): the variables CI sets, else shared/data
 # beside the repo. Applied here too, for the tests that use tiktoken without prepare().
