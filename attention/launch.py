@@ -230,10 +230,11 @@ def time_from_cuda_graph(kernel_call, quantiles):
 def pruned_configs(table, smem_rows, named_args, kwargs):
     """The configs autotuned times for one call: candidates() of its card path and head dim, those
     that add with atomics (ATOMIC_DQ) dropped where the call asks for DETERMINISTIC results, then
-    the first TIMED_CONFIGS that fit (fitting_configs). The interpreter: the one with the largest
-    tiles, and of those an atomic one (the fewest interpreted programs: the atomic schedule has no
-    dQ programs). Inside a CUDA graph capture: the first."""
-    configs = candidates(table, named_args["Q"].device, kwargs["HEAD_DIM"])
+    the first TIMED_CONFIGS that fit (fitting_configs). The interpreter: of every list's configs
+    that fit, the one with the largest tiles, and of those an atomic one (the fewest interpreted
+    programs: the atomic schedule has no dQ programs). Inside a CUDA graph capture: the first."""
+    configs = (list(dict.fromkeys(c for configs in table.values() for c in configs)) if INTERPRETING
+               else candidates(table, named_args["Q"].device, kwargs["HEAD_DIM"]))
     if kwargs.get("DETERMINISTIC"):
         configs = [c for c in configs if not c.kwargs.get("ATOMIC_DQ")]
     fitting = fitting_configs(configs, smem_rows, named_args["Q"], kwargs["HEAD_DIM"], named_args["N_Q"],

@@ -148,7 +148,6 @@ BACKWARD_CONFIGS = {
         split(64, 64, 32, warps=4, stages=3),  # the split's best at D 64: 0.70-0.89x FA2
         atomic(64, 64, warps=4, stages=2),  # a smaller atomic tile, for the short sequences: untimed yet
         split(64, 64, 32, warps=4, stages=2),  # the model's shapes at D 32: 1.02x FA2 (timed where deterministic)
-        split(64, 16, 16, warps=4, stages=2),  # the smallest, for short sequences in float32
     ],
     ("consumer card", 256): [
         atomic(64, 64, warps=8, stages=2),  # FA2's own tile at D 128 on an sm_89 card (80 KB there): untimed yet

@@ -74,16 +74,15 @@ def tiles(BLOCK_M, BLOCK_N, warps, stages, tma=False):
 # times the first three that fit (launch.pruned_configs). Named as launch.config_name names them.
 # Ratios are FA2's time over ours on an H100 on the consumer-card path (NANOFA2_ADA=1, a
 # stand-in), torch 2.11, Triton 3.6, at the FA2 paper's shapes (16k tokens a batch, hidden 2048);
-# docs/optimisation.md. 128-row tiles with 4 warps (32 query rows a warp) read each K/V tile
-# from shared memory half as often as 64-row ones, but at D 128 hold more than 255 registers a
-# thread (the scores, a 128 x 128 float32 acc and the operands of a whole tile): they spill.
+# docs/optimisation.md. 128-row tiles with 4 warps (32 query rows a warp, as FA2) read each K/V
+# tile from shared memory half as often as 64-row ones, but at D 128 want more than 255
+# registers a thread (the scores, a 128 x 128 float32 acc, a whole K tile as an operand): they spill.
 FORWARD_CONFIGS = {
     ("consumer card", 64): [
-        tiles(128, 64, warps=4, stages=3),  # FA2's H100 tile: 0.91-1.01x FA2 at D 64; 1.31x at 2 x 12 x 4,096 x 32
+        tiles(128, 64, warps=4, stages=3),  # FA2's 32 rows a warp: 0.91-1.01x FA2 at D 64; 1.31x at 2 x 12 x 4,096 x 32
         tiles(64, 32, warps=4, stages=3),  # the model's shape, 8 x 12 x 512 x 32: 1.23x FA2
         tiles(128, 64, warps=4, stages=2),  # D 64 without a mask, within 2% of the first
-        tiles(64, 32, warps=4, stages=2),  # the smallest, for short sequences in float32
-        tiles(32, 16, warps=4, stages=2),
+        tiles(32, 16, warps=4, stages=2),  # short sequences
         tiles(16, 16, warps=4, stages=2),
     ],
     ("consumer card", 256): [

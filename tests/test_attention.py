@@ -488,7 +488,8 @@ def test_the_tuner_times_both_backward_schedules_on_the_consumer_card(head_dim, 
     it times the split alone."""
     configs_on(monkeypatch, has_tma=False, limit=launch.ADA_SHARED_MEMORY_BYTES)
     monkeypatch.setattr(torch.cuda, "is_current_stream_capturing", lambda: False)
-    assert {c.kwargs["ATOMIC_DQ"] for c in timed_configs(BACKWARD_CONFIGS, backward_smem_rows, head_dim)} == {True, False}
+    timed = timed_configs(BACKWARD_CONFIGS, backward_smem_rows, head_dim)
+    assert {c.kwargs["ATOMIC_DQ"] for c in timed} == {True, False}
     deterministic = timed_configs(BACKWARD_CONFIGS, backward_smem_rows, head_dim, deterministic=True)
     assert deterministic and not any(c.kwargs["ATOMIC_DQ"] for c in deterministic)
     forward = [(c.kwargs["BLOCK_M"], c.kwargs["BLOCK_N"], c.num_warps) for c in

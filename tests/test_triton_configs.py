@@ -74,10 +74,10 @@ CARDS = {"sm_89": ("consumer card", 89, ADA_SHARED_MEMORY_BYTES, False),
 
 
 def measure():
-    """For each card (sm_89 first), kernel, config of the card's lists and element size: compile
-    the config at the largest head dim its list is for that the estimate admits on that card (TMA
-    configs on sm_90 alone) and yield the compiler's shared memory, config by config in the
-    lists' order. Then the Gluon kernels for sm_90, with theirs."""
+    """For each card (sm_89 first), kernel, config of the card's lists (once, where several lists
+    hold it) and element size: compile the config at the largest head dim a list holding it is for
+    that the estimate admits on that card (TMA configs on sm_90 alone) and yield the compiler's
+    shared memory, config by config in the lists' order. Then the Gluon kernels for sm_90, with theirs."""
     from attention.launch import shared_memory_bytes
     from attention.triton_backward import BACKWARD_CONFIGS, _attn_bwd, backward_smem_rows
     from attention.triton_forward import FORWARD_CONFIGS, _attn_fwd, forward_smem_rows
@@ -85,26 +85,25 @@ def measure():
     for card, (path, capability, limit, wgmma) in CARDS.items():
         for kernel, table, smem_rows in ((_attn_fwd.fn, FORWARD_CONFIGS, forward_smem_rows),
                                          (_attn_bwd.fn, BACKWARD_CONFIGS, backward_smem_rows)):
-            for (list_path, largest), configs in table.items():
-                if list_path != path:
+            largest = {}  # config -> the largest head dim of the lists that hold it
+            for (list_path, list_largest), configs in table.items():
+                for config in configs if list_path == path else ():
+                    largest[config] = max(largest.get(config, 0), list_largest)
+            for config, list_largest in largest.items():
+                if config.kwargs["USE_TMA"] and capability < 90:  # pruned on cards without TMA
                     continue
-                for config in configs:
-                    if config.kwargs["USE_TMA"] and capability < 90:  # pruned on cards without TMA
+                for element_type, size in ELEMENT_TYPES.items():
+                    admitted = [d for d in HEAD_DIMS if d <= list_largest
+                                and shared_memory_bytes(config, smem_rows, d, size, wgmma) <= limit]
+                    if not admitted:
                         continue
-                    for element_type, size in ELEMENT_TYPES.items():
-                        admitted = [d for d in HEAD_DIMS if d <= largest
-                                    and shared_memory_bytes(config, smem_rows, d, size, wgmma) <= limit]
-                        if not admitted:
-                            continue
-                        constexprs = dict(config.kwargs, HEAD_DIM=max(admitted), BLOCK_D=max(admitted),
-                                          HEADS_FIRST=True)
-                        if "ATOMIC_DQ" in config.kwargs:
-                            constexprs["DETERMINISTIC"] = False
-                        compiled = compile_for(kernel, element_type, constexprs, capability, config.num_warps,
-                                               config.num_stages)
-                        yield dict(target=card, kernel=kernel.__name__, config=str(config),
-                                   element_type=element_type, head_dim=max(admitted), shared=compiled.metadata.shared,
-                                   limit=limit)
+                    constexprs = dict(config.kwargs, HEAD_DIM=max(admitted), BLOCK_D=max(admitted), HEADS_FIRST=True)
+                    if "ATOMIC_DQ" in config.kwargs:
+                        constexprs["DETERMINISTIC"] = False
+                    compiled = compile_for(kernel, element_type, constexprs, capability, config.num_warps,
+                                           config.num_stages)
+                    yield dict(target=card, kernel=kernel.__name__, config=str(config), element_type=element_type,
+                               head_dim=max(admitted), shared=compiled.metadata.shared, limit=limit)
     for module, kernel in ((hopper_forward, hopper_forward._attn_fwd_warp_specialized),
                            (hopper_backward, hopper_backward._attn_bwd_warp_specialized)):
         for (head_dim, is_causal), tiles in module.TILES.items():
