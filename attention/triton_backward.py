@@ -29,8 +29,8 @@ import triton
 import triton.language as tl
 
 from .hopper import backward as hopper_backward
-from .launch import (INTERPRETING, as_4d, autotuned, candidates, card_path, descriptor_ready, head_dim_block,
-                     heads_first, new_like, program_grid, set_tma_scratch_allocator)
+from .launch import (INTERPRETING, as_4d, autotuned, candidates, descriptor_ready, head_dim_block, heads_first,
+                     new_like, program_grid, set_tma_scratch_allocator)
 from .masks import key_tile_bounds_tl, query_tile_bounds_tl, visible_in_tile_tl, window_bounds
 from .triton_tiles import (LOG2_E, add_tile, head_matrix, load_tile, program_tile_and_head, query_tile_start,
                            store_tile)

@@ -39,7 +39,7 @@ pytestmark = pytest.mark.xdist_group("triton_configs")
 HEAD_DIMS = (16, 32, 64, 128, 256)
 HOPPER_SHARED_MEMORY_BYTES = 232448  # the H100's and H200's most per block
 TENSOR_POINTERS = {"Q", "K", "V", "O", "dO", "dQ", "dK", "dV"}
-FLOAT32_POINTERS = {"LSE", "DELTA", "DQ_ACC"}
+FLOAT32_POINTERS = {"LSE", "DELTA", "DQ", "DQ_ACC"}
 ELEMENT_TYPES = {"bf16": 2, "fp32": 4}
 
 
