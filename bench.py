@@ -2,7 +2,7 @@
 process on one CUDA card.
 
     python bench.py                      # the paper grid: forward, backward, forward+backward -> bench-out/
-    python bench.py --grid=long          # one sequence, causal, 128 to 65,536 tokens
+    python bench.py --grid=long          # one sequence, causal, 128 to 65,536 tokens; the model's own shapes
     python bench.py --quick=True         # three lengths of each grid
     python bench.py --mode=ladder        # the forward, one optimisation at a time (docs/optimisation.md)
     python bench.py --mode=configs       # every tile config of each Triton kernel that fits the card, timed
@@ -14,7 +14,9 @@ process on one CUDA card.
 
 The grids are the FlashAttention-2 paper's (16k tokens a batch, hidden 2048, N from 512 to 16k,
 head dims 64 and 128, causal and not) and a long-context one, q, k, v being views of one fused
-projection as in the model. triton.testing.do_bench gives the median ms; TFLOP/s count
+projection as in the model. After each shape a line gives triton's ratios to FA2 and cuDNN
+(their time over triton's) and the configs the tuner chose (launch.config_name), which the
+tables name too. triton.testing.do_bench gives the median ms; TFLOP/s count
 4 * B * H * N^2 * D for the forward (half when causal), 2.5 times that for the backward, each
 printed beside the fraction of the card's dense 16-bit tensor-core peak it reached (CARDS). The
 step mode times train.py's step (training/step.py), the backends in turns, as the host drifts over
@@ -98,8 +100,8 @@ from attention.masks import UNBOUNDED  # noqa: E402
 from attention.hopper import backward as hopper_backward  # noqa: E402
 from attention.hopper import forward as hopper_forward  # noqa: E402
 from attention.launch import fitting_configs  # noqa: E402
-from attention.triton_backward import BACKWARD_CONFIGS, backward_smem_rows, flash_backward  # noqa: E402
-from attention.triton_forward import FORWARD_CONFIGS, flash_forward, forward_smem_rows  # noqa: E402
+from attention.triton_backward import BACKWARD_CONFIGS, _attn_bwd, backward_smem_rows, flash_backward  # noqa: E402
+from attention.triton_forward import FORWARD_CONFIGS, _attn_fwd, flash_forward, forward_smem_rows  # noqa: E402
 from attention import tiled, triton_backward, triton_forward  # noqa: E402
 from model import GPT, GPTConfig, compile_model  # noqa: E402
 from training.devices import CARDS, World, autocast, cap_memory, synchronize  # noqa: E402
@@ -142,8 +144,15 @@ def paper_grid(quick):
 
 
 def long_grid(quick):
+    """One sequence of 128 to 65,536 tokens, causal, and the model's own calls (D 32, causal): the
+    default run's (TrainConfig's batch of 512-token sequences) and the long-context run's
+    (configs/shakespeare_long.py: 2 sequences of 4,096)."""
     lengths = (1024, 16384, 65536) if quick else tuple(2 ** p for p in range(7, 17))
-    return [dict(B=1, H=16, N=n, D=d, causal=True, dtype="bfloat16") for d in (64, 128) for n in lengths]
+    head_dim = TrainConfig.n_embd // TrainConfig.n_head
+    model = [dict(B=TrainConfig.batch_size, H=TrainConfig.n_head, N=TrainConfig.block_size, D=head_dim, causal=True,
+                  dtype="bfloat16"),
+             dict(B=2, H=TrainConfig.n_head, N=4096, D=head_dim, causal=True, dtype="bfloat16")]
+    return [dict(B=1, H=16, N=n, D=d, causal=True, dtype="bfloat16") for d in (64, 128) for n in lengths] + model
 
 
 def make_inputs(shape, requires_grad):
@@ -166,7 +175,8 @@ def flops(shape, mode):
 
 
 def time_mode(name, shape, mode):
-    """Median ms of one mode; raises where the provider does not take the shape."""
+    """Median ms of one mode and its spread (the 20th and 80th percentiles); raises where the
+    provider does not take the shape."""
     qkv, q, k, v = make_inputs(shape, requires_grad=mode != "fwd")
     if mode == "fwd":
         fn = lambda: run_provider(name, q, k, v, shape["causal"])
@@ -175,31 +185,62 @@ def time_mode(name, shape, mode):
         o = run_provider(name, q, k, v, shape["causal"])
         fn = (lambda: torch.autograd.grad(o, qkv, do, retain_graph=True)) if mode == "bwd" else \
              (lambda: torch.autograd.grad(run_provider(name, q, k, v, shape["causal"]), qkv, do))
-    return triton.testing.do_bench(fn, warmup=max(config.rep_ms // 4, 5), rep=config.rep_ms, return_mode="median")
+    median, low, high = triton.testing.do_bench(fn, warmup=max(config.rep_ms // 4, 5), rep=config.rep_ms,
+                                                quantiles=(0.5, 0.2, 0.8))
+    return median, (low, high)
+
+
+def tuner_choice(shape):
+    """What the triton backend ran at shape, forward and backward, as launch.config_name names it:
+    the Hopper Gluon kernel where it serves the shape, else the config the tuner chose (the
+    kernel's best_config, its last call's, which was at this shape)."""
+    _, q, k, _ = make_inputs(shape, requires_grad=False)
+    left, right = UNBOUNDED, 0 if shape["causal"] else UNBOUNDED
+    return dict(fwd="Gluon (Hopper)" if hopper_forward.serves(q, k, left, right) else
+                launch.config_name(_attn_fwd.best_config),
+                bwd="Gluon (Hopper)" if hopper_backward.serves(q, k, left, right) else
+                launch.config_name(_attn_bwd.best_config))
+
+
+def shape_summary(shape, rows):
+    """One line per shape: triton's time ratios against FA2 and cuDNN (their time over triton's:
+    above 1, triton is faster) per mode, and what the tuner chose."""
+    ms = {r["provider"]: {m: r[m]["ms"] for m in MODES} for r in rows if r["status"] == "ok"}
+    ratios = lambda peer: " ".join(f"{m} {ms[peer][m] / ms['triton'][m]:.2f}" for m in MODES) \
+        if "triton" in ms and peer in ms else "–"
+    triton_row = next((r for r in rows if r["provider"] == "triton" and "tuner" in r), None)
+    chosen = f"fwd {triton_row['tuner']['fwd']}, bwd {triton_row['tuner']['bwd']}" if triton_row else "–"
+    return (f"  {shape['B']}x{shape['H']}x{shape['N']}x{shape['D']} {'causal' if shape['causal'] else 'full'}: "
+            f"triton vs FA2 {ratios('sdpa_flash')} | vs cuDNN {ratios('sdpa_cudnn')} | tuner: {chosen}")
 
 
 def bench_grid(grid, shapes, providers):
     rows = []
     for shape in shapes:
+        shape_rows = []
         for name in providers:
             if name == "tiled" and shape["N"] > TILED_MAX_N:
                 continue
             row = dict(grid=grid, provider=name, **shape)
             try:
                 for mode in MODES:
-                    ms = time_mode(name, shape, mode)
-                    row[mode] = dict(ms=ms, tflops=flops(shape, mode) / ms / 1e9)
+                    ms, spread = time_mode(name, shape, mode)
+                    row[mode] = dict(ms=ms, spread_ms=spread, tflops=flops(shape, mode) / ms / 1e9)
+                if name == "triton":
+                    row["tuner"] = tuner_choice(shape)
                 row["status"] = "ok"
             except torch.cuda.OutOfMemoryError:
                 row["status"] = "out of memory"
             except RuntimeError as e:  # an sdpa kernel that does not take this shape
                 row["status"] = "unsupported: " + str(e).splitlines()[0][:80]
             torch.cuda.empty_cache()
-            rows.append(row)
+            shape_rows.append(row)
             perf = "  ".join(f"{m} {row[m]['tflops']:6.1f} ({tflops_of_peak(row[m]['tflops']):>4} of peak)"
                              for m in MODES) if row["status"] == "ok" else row["status"]
             print(f"N={shape['N']:<6} D={shape['D']:<4} {'causal' if shape['causal'] else 'full  '} {name:<15} {perf}",
                   flush=True)
+        print(shape_summary(shape, shape_rows), flush=True)
+        rows += shape_rows
     return rows
 
 
@@ -211,16 +252,18 @@ def grid_tables(rows, providers):
         for mode in MODES:
             for D, causal in sorted({(r["D"], r["causal"]) for r in rows if r["grid"] == grid}):
                 sel = [r for r in rows if (r["grid"], r["D"], r["causal"]) == (grid, D, causal) and r["status"] == "ok"]
+                kernel = "fwd" if mode == "fwd" else "bwd"
                 lines += [f"**{grid} grid, {mode}, D={D}, {'causal' if causal else 'full'}** (TFLOP/s, and % of "
                           "the card's dense 16-bit peak)", "",
-                          "| N | " + " | ".join(providers) + " | triton / FA2 | triton / cuDNN |",
-                          "|---" * (len(providers) + 3) + "|"]
+                          "| N | " + " | ".join(providers) + f" | triton / FA2 | triton / cuDNN | triton's {kernel} |",
+                          "|---" * (len(providers) + 4) + "|"]
                 for n in sorted({r["N"] for r in sel}):
                     tf = {r["provider"]: r[mode]["tflops"] for r in sel if r["N"] == n}
                     ratio = lambda peer: f"{tf['triton'] / tf[peer]:.2f}" if "triton" in tf and peer in tf else "–"
+                    chosen = next((r["tuner"][kernel] for r in sel if r["N"] == n and "tuner" in r), "–")
                     lines.append(f"| {n} | " + " | ".join(f"{tf[p]:.0f} ({tflops_of_peak(tf[p])})" if p in tf else "–"
                                                         for p in providers)
-                                 + f" | {ratio('sdpa_flash')} | {ratio('sdpa_cudnn')} |")
+                                 + f" | {ratio('sdpa_flash')} | {ratio('sdpa_cudnn')} | {chosen} |")
                 lines.append("")
     return "\n".join(lines)
 
@@ -288,8 +331,8 @@ def ladder():
 
 
 def sweep_configs():
-    """Every config of each Triton kernel that fits this card, at N=4096 of the paper grid, both
-    masks and head dims, fastest first."""
+    """Every config of each Triton kernel's list for this card's path (launch.candidates) that fits
+    this card, at N=4096 of the paper grid, both masks and head dims, fastest first."""
     results = []
     for D in (64, 128):
         for causal in (False, True):
@@ -301,9 +344,9 @@ def sweep_configs():
                     ("fwd", FORWARD_CONFIGS, forward_smem_rows, functools.partial(flash_forward, q, k, v, causal)),
                     ("bwd", BACKWARD_CONFIGS, backward_smem_rows,
                      functools.partial(flash_backward, q, k, v, o, do, lse, causal))):
-                for c in fitting_configs(configs, smem_rows, q, D, 4096, 4096):
+                for c in fitting_configs(launch.candidates(configs, q.device, D), smem_rows, q, D, 4096, 4096):
                     ms = triton.testing.do_bench(functools.partial(fn, config=c), rep=config.rep_ms, return_mode="median")
-                    results.append(dict(kernel=kernel, D=D, causal=causal, config=str(c), ms=ms))
+                    results.append(dict(kernel=kernel, D=D, causal=causal, config=launch.config_name(c), ms=ms))
                 ranked = sorted((r for r in results if (r["kernel"], r["D"], r["causal"]) == (kernel, D, causal)),
                                 key=lambda r: r["ms"])
                 print(f"{kernel} D={D} causal={causal}: " + "; ".join(f"{r['config']} {r['ms']:.3f} ms"

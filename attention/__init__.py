@@ -33,6 +33,10 @@ Read the files in this order (docs/learn.md walks the same path):
   backends.py            the backends' table, which attention() and decode_attention() dispatch through
   hopper/                the forward and backward for Hopper, warp-specialised in Gluon
 
+Reproducible gradients: the triton backend's backward may add dQ up with atomics (FlashAttention-2's
+schedule, where the tuner finds it faster), whose last bits differ run to run; under
+torch.use_deterministic_algorithms(True) it keeps its split schedule, the same bits every run.
+
 This package needs only torch, triton and einops. Without a GPU the Triton kernels run in
 Triton's interpreter (numpy), so CPU users and CI exercise the real kernel source (_setup.py
 chooses it). NANOFA2_ADA=1 runs the consumer-card path on any card (launch.py).

@@ -65,20 +65,49 @@ def forward_smem_rows(config):
     return [(config.kwargs["BLOCK_M"], 2 * config.kwargs["BLOCK_N"])]
 
 
-# Best first: the tuner times the first three that fit the card (launch.fitting_configs). On the
-# H200 each of the first three wins somewhere; the last ones fit wide heads in 99 KB.
-FORWARD_CONFIGS = [
-    triton.Config(dict(BLOCK_M=64, BLOCK_N=128, USE_TMA=True), num_warps=4, num_stages=2),  # long D=64 sequences
-    triton.Config(dict(BLOCK_M=128, BLOCK_N=64, USE_TMA=True), num_warps=4, num_stages=2),  # D=128
-    triton.Config(dict(BLOCK_M=64, BLOCK_N=64, USE_TMA=False), num_warps=4, num_stages=3),  # the model's
-    triton.Config(dict(BLOCK_M=128, BLOCK_N=64, USE_TMA=False), num_warps=8, num_stages=3),
-    triton.Config(dict(BLOCK_M=64, BLOCK_N=64, USE_TMA=True), num_warps=4, num_stages=2),
-    triton.Config(dict(BLOCK_M=64, BLOCK_N=64, USE_TMA=True), num_warps=4, num_stages=3),
-    triton.Config(dict(BLOCK_M=128, BLOCK_N=128, USE_TMA=True), num_warps=4, num_stages=3),
-    triton.Config(dict(BLOCK_M=128, BLOCK_N=32, USE_TMA=False), num_warps=4, num_stages=3),
-    triton.Config(dict(BLOCK_M=64, BLOCK_N=32, USE_TMA=False), num_warps=4, num_stages=2),
-    triton.Config(dict(BLOCK_M=32, BLOCK_N=16, USE_TMA=False), num_warps=4, num_stages=2),
-    triton.Config(dict(BLOCK_M=16, BLOCK_N=16, USE_TMA=False), num_warps=4, num_stages=2),
+def tiles(BLOCK_M, BLOCK_N, warps, stages, tma=False):
+    """A config of _attn_fwd: query tiles of BLOCK_M rows against key tiles of BLOCK_N."""
+    return triton.Config(dict(BLOCK_M=BLOCK_M, BLOCK_N=BLOCK_N, USE_TMA=tma), num_warps=warps, num_stages=stages)
+
+
+# The tuner's candidates, best first, per card path and largest head dim (launch.candidates): it
+# times the first three that fit (launch.pruned_configs). Named as launch.config_name names them.
+# Ratios are FA2's time over ours on an H100 on the consumer-card path (NANOFA2_ADA=1, a
+# stand-in), torch 2.11, Triton 3.6, at the FA2 paper's shapes (16k tokens a batch, hidden 2048);
+# docs/optimisation.md. 128-row tiles with 4 warps (32 query rows a warp, as FA2) read each K/V
+# tile from shared memory half as often as 64-row ones, but at D 128 want more than 255
+# registers a thread (the scores, a 128 x 128 float32 acc, a whole K tile as an operand): they spill.
+FORWARD_CONFIGS = {
+    ("consumer card", 64): [
+        tiles(128, 64, warps=4, stages=3),  # FA2's 32 rows a warp: 0.91-1.01x FA2 at D 64; 1.31x at 2 x 12 x 4,096 x 32
+        tiles(64, 32, warps=4, stages=3),  # the model's shape, 8 x 12 x 512 x 32: 1.23x FA2
+        tiles(128, 64, warps=4, stages=2),  # D 64 without a mask, within 2% of the first
+        tiles(32, 16, warps=4, stages=2),  # short sequences
+        tiles(16, 16, warps=4, stages=2),
+    ],
+    ("consumer card", 256): [
+        tiles(128, 32, warps=4, stages=3),  # FA2's sm_89 tile without a mask: 0.82-0.93x FA2 at D 128
+        tiles(128, 64, warps=4, stages=2),  # FA2's H100 tile: 0.78-0.90x, the best at 4k without a mask
+        tiles(64, 64, warps=4, stages=2),  # FA2's sm_89 tile with a mask, 48 KB, two blocks an SM: 0.52-0.60x here
+        tiles(64, 32, warps=4, stages=2),  # wide heads in 99 KB
+        tiles(32, 16, warps=4, stages=2),
+        tiles(16, 16, warps=4, stages=2),  # D 256 in float32
+    ],
+}
+# Hopper: on the H200 each of the first three won somewhere; the last ones fit wide heads. The
+# same list at every head dim.
+FORWARD_CONFIGS["hopper", 256] = [
+    tiles(64, 128, warps=4, stages=2, tma=True),  # long D=64 sequences
+    tiles(128, 64, warps=4, stages=2, tma=True),  # D=128
+    tiles(64, 64, warps=4, stages=3),  # the model's
+    tiles(128, 64, warps=8, stages=3),
+    tiles(64, 64, warps=4, stages=2, tma=True),
+    tiles(64, 64, warps=4, stages=3, tma=True),
+    tiles(128, 128, warps=4, stages=3, tma=True),
+    tiles(128, 32, warps=4, stages=3),
+    tiles(64, 32, warps=4, stages=2),
+    tiles(32, 16, warps=4, stages=2),
+    tiles(16, 16, warps=4, stages=2),
 ]
 
 

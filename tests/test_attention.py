@@ -13,10 +13,11 @@ from attention.eager import eager_attention_with_lse
 from attention.hopper import backward as hopper_backward
 from attention.hopper import common as hopper_common
 from attention.hopper import forward as hopper_forward
-from attention.launch import descriptor_ready, fitting_configs, shared_memory_bytes
+from attention.launch import candidates, descriptor_ready, fitting_configs, shared_memory_bytes
 from attention.masks import UNBOUNDED, window_bounds
 from attention.tiled import tiled_forward
-from attention.triton_backward import BACKWARD_CONFIGS, _attn_bwd, backward_smem_rows, flash_backward
+from attention.triton_backward import (BACKWARD_CONFIGS, _attn_bwd, _attn_bwd_delta, atomic, backward_smem_rows,
+                                      flash_backward)
 from attention.triton_forward import FORWARD_CONFIGS, _attn_fwd, flash_forward, forward_smem_rows
 
 TOLERANCE = {torch.float64: 1e-10, torch.float32: 1e-4, torch.float16: 2e-2, torch.bfloat16: 4e-2}
@@ -294,7 +295,8 @@ def test_triton_kernels_with_explicit_tiles(block_m, block_n, is_causal, window_
                                             monkeypatch):
     """Tiles smaller than the sequence, with BLOCK_M != BLOCK_N: tiles cross the diagonal and the
     window's edges, and both sequences end mid-tile. Both load paths: TMA descriptors (Hopper)
-    and masked pointer loads (other cards). Both grid orders. Two query heads per kv head."""
+    and masked pointer loads (other cards). Both grid orders. Two query heads per kv head. Both
+    backward schedules, split and atomic, each with both load paths and both grid orders."""
     launch_heads_first(monkeypatch, heads_first)
     q, k, v = (t.detach() for t in random_qkv((1, 4, 83, 32), 71, h_kv=2, seed=block_m + block_n))
     config = triton.Config({"BLOCK_M": block_m, "BLOCK_N": block_n, "USE_TMA": use_tma})
@@ -304,9 +306,35 @@ def test_triton_kernels_with_explicit_tiles(block_m, block_n, is_causal, window_
     assert_close(o, o_ref, 1e-4, "O")
     assert_close(lse, lse_ref, 1e-5, "lse")
     # The dK/dV job streams query tiles of its own size: here block_n, unlike the dQ job's block_m.
-    config = triton.Config({"BLOCK_M": block_m, "BLOCK_N": block_n, "DKDV_BLOCK_M": block_n, "USE_TMA": use_tma})
+    config = triton.Config({"BLOCK_M": block_m, "BLOCK_N": block_n, "DKDV_BLOCK_M": block_n,
+                            "ATOMIC_DQ": use_tma != heads_first, "USE_TMA": use_tma})
     dq, dk, dv = flash_backward(q, k, v, o, do, lse, is_causal, window_size, config=config)
     assert_all_close([("dQ", dq, dq_ref), ("dK", dk, dk_ref), ("dV", dv, dv_ref)], 1e-4)
+
+
+@pytest.mark.parametrize("head_dim", [8, 48, 160, 256])
+def test_atomic_backward_at_padded_head_dims(head_dim):
+    """The atomic schedule adds dQ's shares of a padded head dim: the padding's columns are
+    never added, the rest are. Grouped-query heads, rows past both sequences' ends."""
+    q, k, v = (t.detach() for t in random_qkv((1, 4, 37, head_dim), 29, h_kv=2, seed=head_dim))
+    o, lse = flash_forward(q, k, v, True)
+    do = torch.randn_like(o)
+    _, _, dq_ref, dk_ref, dv_ref = reference(q, k, v, True, do)
+    dq, dk, dv = flash_backward(q, k, v, o, do, lse, True, config=atomic(16, 32, warps=4, stages=2))
+    assert_all_close([("dQ", dq, dq_ref), ("dK", dk, dk_ref), ("dV", dv, dv_ref)], 1e-4)
+
+
+def test_the_delta_kernel_zeroes_the_dq_accumulator():
+    """The atomic schedule adds into an accumulator nothing else clears: the delta kernel zeroes
+    every element of it (here poisoned with NaN), padded head dim and a last tile cut short included."""
+    B, H, N, D = 2, 3, 70, 24
+    o, do = torch.randn(B, H, N, D), torch.randn(B, H, N, D)
+    dq_acc, delta = torch.full((B, H, N, D), float("nan")), torch.empty(B, H, N)
+    _attn_bwd_delta[(triton.cdiv(N, 64), B * H)](o, do, delta, dq_acc, *o.stride()[:3], *do.stride()[:3],
+                                                 *dq_acc.stride()[:3], H, N, HEAD_DIM=D, BLOCK_D=32,
+                                                 HEADS_FIRST=False, BLOCK_M=64, ZERO_DQ=True)
+    assert dq_acc.eq(0).all()
+    assert_close(delta, (o.double() * do.double()).sum(-1), 1e-5, "delta")
 
 
 @pytest.mark.parametrize("backend", ["tiled", "triton", "triton_fwd"])
@@ -448,8 +476,8 @@ def test_the_consumer_card_keeps_configs_that_fit_it(head_dim, dtype, monkeypatc
     under NANOFA2_ADA=1) each kernel keeps only cp.async configs that fit, and always has one."""
     configs_on(monkeypatch, has_tma=False, limit=launch.ADA_SHARED_MEMORY_BYTES)
     q = torch.empty(1, 1, 4096, head_dim, dtype=dtype, device="meta")
-    for configs, smem_rows in ((FORWARD_CONFIGS, forward_smem_rows), (BACKWARD_CONFIGS, backward_smem_rows)):
-        kept = fitting_configs(configs, smem_rows, q, head_dim, 4096, 4096)
+    for table, smem_rows in ((FORWARD_CONFIGS, forward_smem_rows), (BACKWARD_CONFIGS, backward_smem_rows)):
+        kept = fitting_configs(candidates(table, q.device, head_dim), smem_rows, q, head_dim, 4096, 4096)
         assert kept and not any(c.kwargs["USE_TMA"] for c in kept)
         size = q.element_size()
         assert all(shared_memory_bytes(c, smem_rows, head_dim, size, False) <= launch.ADA_SHARED_MEMORY_BYTES
@@ -460,15 +488,71 @@ def test_hopper_keeps_tma_configs_only_for_unpadded_head_dims(monkeypatch):
     configs_on(monkeypatch, has_tma=True, limit=232448)
     for head_dim, tma_kept in ((64, True), (80, False)):
         q = torch.empty(1, 1, 4096, head_dim, dtype=torch.bfloat16, device="meta")
-        kept = fitting_configs(FORWARD_CONFIGS, forward_smem_rows, q, head_dim, 4096, 4096)
+        kept = fitting_configs(candidates(FORWARD_CONFIGS, q.device, head_dim), forward_smem_rows, q, head_dim, 4096,
+                               4096)
         assert any(c.kwargs["USE_TMA"] for c in kept) == tma_kept
 
 
 def test_short_sequences_keep_short_tiles(monkeypatch):
     configs_on(monkeypatch, has_tma=False, limit=launch.ADA_SHARED_MEMORY_BYTES)
     q = torch.empty(1, 1, 20, 64, dtype=torch.bfloat16, device="meta")
-    kept = fitting_configs(FORWARD_CONFIGS, forward_smem_rows, q, 64, 20, 20)
+    kept = fitting_configs(candidates(FORWARD_CONFIGS, q.device, 64), forward_smem_rows, q, 64, 20, 20)
     assert kept and all(c.kwargs["BLOCK_M"] <= 20 and c.kwargs["BLOCK_N"] <= 20 for c in kept)
+
+
+def timed_configs(table, smem_rows, head_dim, deterministic=False):
+    """What the tuner times for a bf16 call at 4,096 tokens, on the card configs_on pretends."""
+    q = torch.empty(1, 4, 4096, head_dim, dtype=torch.bfloat16, device="meta")
+    return launch.pruned_configs(table, smem_rows, dict(Q=q, N_Q=4096, N_K=4096),
+                                 dict(HEAD_DIM=head_dim, DETERMINISTIC=deterministic))
+
+
+@pytest.mark.parametrize("head_dim", [32, 64, 128])
+def test_the_tuner_times_both_backward_schedules_on_the_consumer_card(head_dim, monkeypatch):
+    """On the consumer card the tuner may choose the atomic schedule or the split one, and FA2's
+    own forward tile, 128 x 64 with 4 warps (no TMA); under torch.use_deterministic_algorithms
+    it times the split alone."""
+    configs_on(monkeypatch, has_tma=False, limit=launch.ADA_SHARED_MEMORY_BYTES)
+    monkeypatch.setattr(torch.cuda, "is_current_stream_capturing", lambda: False)
+    timed = timed_configs(BACKWARD_CONFIGS, backward_smem_rows, head_dim)
+    assert {c.kwargs["ATOMIC_DQ"] for c in timed} == {True, False}
+    deterministic = timed_configs(BACKWARD_CONFIGS, backward_smem_rows, head_dim, deterministic=True)
+    assert deterministic and not any(c.kwargs["ATOMIC_DQ"] for c in deterministic)
+    forward = [(c.kwargs["BLOCK_M"], c.kwargs["BLOCK_N"], c.num_warps) for c in
+               timed_configs(FORWARD_CONFIGS, forward_smem_rows, head_dim)]
+    assert (128, 64, 4) in forward
+
+
+def test_hopper_times_its_own_lists(monkeypatch):
+    """Hopper (TMA, 227 KB) times the first three of its own lists that fit: the split backward
+    only, as measured there."""
+    configs_on(monkeypatch, has_tma=True, limit=232448)
+    monkeypatch.setattr(torch.cuda, "is_current_stream_capturing", lambda: False)
+    q = torch.empty(1, 4, 4096, 64, dtype=torch.bfloat16, device="meta")
+    for table, smem_rows in ((FORWARD_CONFIGS, forward_smem_rows), (BACKWARD_CONFIGS, backward_smem_rows)):
+        assert timed_configs(table, smem_rows, 64) == fitting_configs(table["hopper", 256], smem_rows, q, 64, 4096,
+                                                                      4096)[:launch.TIMED_CONFIGS]
+    assert not any(c.kwargs["ATOMIC_DQ"] for c in timed_configs(BACKWARD_CONFIGS, backward_smem_rows, 64))
+
+
+def test_deterministic_algorithms_run_the_split_backward_and_repeat_its_bits():
+    """In the interpreter the tuner picks the atomic schedule where it fits (the fewest programs);
+    under torch.use_deterministic_algorithms(True), the split, which gives the same bits twice."""
+    q, k, v = (t.detach() for t in random_qkv((1, 4, 70, 16), 70, h_kv=2, seed=11))
+    o, lse = flash_forward(q, k, v, True)
+    do = torch.randn_like(o)
+    _, _, *grads_ref = reference(q, k, v, True, do)
+    flash_backward(q, k, v, o, do, lse, True)
+    assert _attn_bwd.best_config.kwargs["ATOMIC_DQ"]
+    torch.use_deterministic_algorithms(True)
+    try:
+        first = flash_backward(q, k, v, o, do, lse, True)
+        assert not _attn_bwd.best_config.kwargs["ATOMIC_DQ"]
+        second = flash_backward(q, k, v, o, do, lse, True)
+    finally:
+        torch.use_deterministic_algorithms(False)
+    assert all(torch.equal(a, b) for a, b in zip(first, second))
+    assert_all_close([(name, g, ref) for name, g, ref in zip(("dQ", "dK", "dV"), first, grads_ref)], 1e-4)
 
 
 def test_the_tuner_times_and_runs_nothing_inside_a_cuda_graph_capture(monkeypatch):

@@ -63,6 +63,32 @@ def test_grid_tables_and_lines_give_the_fraction_of_the_cards_peak(bench, monkey
     assert bench.tflops_of_peak(35.5) == "?"
 
 
+def test_grid_names_the_tuners_choice_beside_the_ratios(bench, monkeypatch, capsys):
+    """After each shape, triton's ratios to FA2 and cuDNN (their time over triton's) and the
+    configs the tuner chose, read off the kernels' best_config (the Gluon kernel where Hopper's
+    serves the shape); the tables name the config of their kernel."""
+    from attention.triton_backward import atomic
+    from attention.triton_forward import tiles
+    times = {"triton": 1.0, "sdpa_flash": 1.2, "sdpa_cudnn": 0.9}
+    inputs = torch.empty(1)
+    monkeypatch.setattr(bench, "this_card", lambda: None)
+    monkeypatch.setattr(bench, "time_mode", lambda name, shape, mode: (times[name], (times[name], times[name])))
+    monkeypatch.setattr(bench, "make_inputs", lambda shape, requires_grad: (None, inputs, inputs, inputs))
+    monkeypatch.setattr(bench.hopper_forward, "serves", lambda *args: False)
+    monkeypatch.setattr(bench.hopper_backward, "serves", lambda *args: True)
+    monkeypatch.setattr(bench._attn_fwd, "best_config", tiles(128, 64, warps=4, stages=3), raising=False)
+    monkeypatch.setattr(bench._attn_bwd, "best_config", atomic(64, 128, warps=8, stages=2), raising=False)
+    shape = dict(B=4, H=32, N=4096, D=64, causal=True, dtype="bfloat16")
+    rows = bench.bench_grid("paper", [shape], list(times))
+    summary = capsys.readouterr().out.splitlines()[-1]
+    assert summary == ("  4x32x4096x64 causal: triton vs FA2 fwd 1.20 bwd 1.20 fwd+bwd 1.20 | vs cuDNN fwd 0.90 "
+                       "bwd 0.90 fwd+bwd 0.90 | tuner: fwd 128x64 w4 s3, bwd Gluon (Hopper)")
+    monkeypatch.setattr(bench.hopper_backward, "serves", lambda *args: False)
+    assert bench.tuner_choice(shape) == dict(fwd="128x64 w4 s3", bwd="atomic 64x128 w8 s2")
+    table = bench.grid_tables(rows, list(times))
+    assert "| 1.20 | 0.90 | 128x64 w4 s3 |" in table and "| 1.20 | 0.90 | Gluon (Hopper) |" in table
+
+
 def test_the_decode_table_gives_the_fraction_of_the_cards_bandwidth(bench, monkeypatch):
     monkeypatch.setattr(bench, "this_card", lambda: bench.CARDS["NVIDIA GeForce RTX 4070 SUPER"])
     rows = [dict(shape="8 x 16/4 x 4,096 x 64", bytes=33_554_432, splits=7,

@@ -339,8 +339,10 @@ def test_chapter_8_eager_and_tiled_train_to_the_same_losses(tmp_path):
 
 def test_chapter_10_a_config_too_big_for_some_head_dims_is_pruned_and_its_shared_memory_printed(tmp_path):
     config = "triton.Config(dict(BLOCK_M=128, BLOCK_N=128, USE_TMA=False), num_warps=8, num_stages=3),"
-    copy = Exercise(10, [("attention/triton_forward.py", "FORWARD_CONFIGS = [\n", f"FORWARD_CONFIGS = [\n    {config}\n")],
-                    (f"`{config}`", "81,920 bytes at head dim 64 in bf16", "101,376")).apply(tmp_path)
+    first = '    ("consumer card", 64): [\n'
+    copy = Exercise(10, [("attention/triton_forward.py", first, f"{first}        {config}\n")],
+                    (f"`{config}`", 'first in `FORWARD_CONFIGS["consumer card", 64]`', "81,920 bytes at head dim 64 in bf16",
+                     "101,376")).apply(tmp_path)
     ran = pytest_in(copy, learn_command('pytest tests/test_attention.py -k "consumer or hopper_keeps or short_sequences"'))
     assert ran.returncode == 0, ran.stdout[-3000:]
     # The script goes on to compile every kernel (minutes; test_triton_configs runs all of it): its first line will do.

@@ -32,6 +32,19 @@ def test_tiled_backward_matches_float64_reference(tile_m, tile_n, shape_q, n_k, 
                      TOLERANCE[torch.float32])
 
 
+@pytest.mark.parametrize("is_causal,window_size", MASKS)
+@pytest.mark.parametrize("shape_q,n_k,h_kv", [((2, 4, 37, 16), 45, 2), ((1, 2, 45, 24), 37, 1)])
+def test_tiled_backward_atomic_dq_matches_float64_reference(shape_q, n_k, h_kv, is_causal, window_size):
+    """The five-matmul schedule (atomic_dq: dQ's shares added in the dK/dV pass), twin of the
+    kernel's ATOMIC_DQ configs, with rectangular tiles."""
+    q, k, v = (t.detach() for t in random_qkv(shape_q, n_k, h_kv=h_kv, seed=n_k))
+    o, lse = tiled_forward(q, k, v, is_causal, window_size, 16, 8)
+    do = torch.randn(o.shape, generator=torch.Generator().manual_seed(2))
+    dq, dk, dv = tiled_backward(q, k, v, o, lse, do, is_causal, window_size, 8, 16, atomic_dq=True)
+    _, _, dq_ref, dk_ref, dv_ref = reference(q, k, v, is_causal, do, window_size)
+    assert_all_close([("dQ", dq, dq_ref), ("dK", dk, dk_ref), ("dV", dv, dv_ref)], TOLERANCE[torch.float32])
+
+
 @pytest.mark.parametrize("tile_m,tile_n", [(16, 8), (5, 11)])
 def test_tiled_backward_on_strided_views(tile_m, tile_n):
     """q, k, v as the model makes them, (B, heads, T, D) views of one (B, T, H + 2 * H_kv, D)
