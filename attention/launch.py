@@ -36,8 +36,11 @@ TIMED_CONFIGS = 3  # a kernel's configs are listed best first; the tuner times t
 
 
 def as_4d(t):
-    """(..., H, N, D) -> a (B, H, N, D) view (a copy only when the leading dims cannot be viewed).
-    B is counted, not inferred (-1): with an empty dim anywhere, -1 could be any size."""
+    """(..., H, N, D) -> a (B, H, N, D) view (a copy only when the leading dims cannot be viewed);
+    a 4-D tensor as it is. B is counted, not inferred (-1): with an empty dim anywhere, -1 could
+    be any size."""
+    if t.dim() == 4:
+        return t
     if t.dim() < 4:
         return t.reshape((1,) * (4 - t.dim()) + t.shape)
     return t.reshape(math.prod(t.shape[:-3]), *t.shape[-3:])
@@ -73,9 +76,21 @@ def descriptor_ready(t):
     return t4 if describable else t4.clone(memory_format=torch.contiguous_format)
 
 
+# The host's grid and tile arithmetic is on plain ints: triton.cdiv and triton.next_power_of_2
+# are ConstexprFunctions since Triton 3.5, about 2 us a call from the host.
+def cdiv(n, d):
+    """ceil(n / d) for ints."""
+    return -(-n // d)
+
+
+def power_of_2_at_least(n):
+    """The smallest power of two >= n (n >= 1)."""
+    return 1 << (n - 1).bit_length()
+
+
 def head_dim_block(head_dim):
     """The head dim padded to a power of two, at least 16 (the smallest tl.dot takes)."""
-    return max(16, triton.next_power_of_2(head_dim))
+    return max(16, power_of_2_at_least(head_dim))
 
 
 def check_kernel_device(t):
@@ -108,10 +123,14 @@ def has_tma(device):
     return device.type == "cuda" and not ADA_PATH and torch.cuda.get_device_capability(device)[0] >= 9
 
 
+def tma_scratch(size, alignment, stream):
+    return torch.empty(size, dtype=torch.int8, device="cuda")
+
+
 def set_tma_scratch_allocator():
     """The kernels build TMA descriptors on the device, in a little global scratch memory Triton
-    asks for at each launch. Its allocator is a context variable, so set it per launch."""
-    triton.set_allocator(lambda size, alignment, stream: torch.empty(size, dtype=torch.int8, device="cuda"))
+    asks for at each launch (tma_scratch). Its allocator is a context variable, so set it per launch."""
+    triton.set_allocator(tma_scratch)
 
 
 @contextlib.contextmanager
