@@ -93,6 +93,13 @@ def head_dim_block(head_dim):
     return max(16, power_of_2_at_least(head_dim))
 
 
+def length_bucket(n):
+    """What the tuner keys a sequence length on: n rounded up to a power of two, at least 16, so
+    that a new prompt length tunes only where it starts a new bucket (FlashAttention's Triton
+    kernel keys on n // 32). The kernels get the exact lengths; only the tuner's key is bucketed."""
+    return max(16, power_of_2_at_least(n))
+
+
 def check_kernel_device(t):
     """CPU tensors run through the interpreter (with a warning); that needs the interpreter on."""
     if t.device.type == "cpu":
@@ -218,7 +225,9 @@ def time_from_cuda_graph(kernel_call, quantiles):
 
 def autotuned(configs, smem_rows, key):
     """triton.autotune over configs (best first), keyed on key (argument names; Triton adds the
-    tensors' dtypes), pruned to the first TIMED_CONFIGS that fit (fitting_configs) and timed
+    tensors' dtypes), where the lengths are the kernel's N_Q_BUCKET and N_K_BUCKET
+    (length_bucket), pruned to the first TIMED_CONFIGS that fit those lengths (fitting_configs,
+    the same candidates for every length of a bucket) and timed
     replayed from a CUDA graph, so the ranking is of the kernels' GPU time, not of their
     launches. The choice is cached on disk (Triton's cache dir), so a second process does not
     tune. The interpreter times nothing: the config with the largest tiles (the fewest
@@ -227,8 +236,8 @@ def autotuned(configs, smem_rows, key):
     while timing is harmless."""
 
     def prune(configs, named_args, **kwargs):
-        candidates = fitting_configs(configs, smem_rows, named_args["Q"], kwargs["HEAD_DIM"], named_args["N_Q"],
-                                     named_args["N_K"])
+        candidates = fitting_configs(configs, smem_rows, named_args["Q"], kwargs["HEAD_DIM"],
+                                     named_args["N_Q_BUCKET"], named_args["N_K_BUCKET"])
         if INTERPRETING:
             return [max(candidates, key=lambda c: c.kwargs["BLOCK_M"] * c.kwargs["BLOCK_N"])]
         if torch.cuda.is_current_stream_capturing():

@@ -26,8 +26,8 @@ import triton
 import triton.language as tl
 
 from .hopper import backward as hopper_backward
-from .launch import (INTERPRETING, as_4d, autotuned, descriptor_ready, head_dim_block, heads_first, new_like,
-                     program_grid, set_tma_scratch_allocator)
+from .launch import (INTERPRETING, as_4d, autotuned, descriptor_ready, head_dim_block, heads_first, length_bucket,
+                     new_like, program_grid, set_tma_scratch_allocator)
 from .masks import key_tile_bounds_tl, query_tile_bounds_tl, visible_in_tile_tl, window_bounds
 from .triton_tiles import LOG2_E, head_matrix, load_tile, program_tile_and_head, query_tile_start, store_tile
 
@@ -120,20 +120,23 @@ BACKWARD_CONFIGS = [
 ]
 
 
-@autotuned(BACKWARD_CONFIGS, backward_smem_rows, key=["N_Q", "N_K", "H", "GROUP", "left", "right", "HEAD_DIM"])
+@autotuned(BACKWARD_CONFIGS, backward_smem_rows,
+           key=["N_Q_BUCKET", "N_K_BUCKET", "H", "GROUP", "left", "right", "HEAD_DIM"])
 @triton.jit
 def _attn_bwd(Q, K, V, dO, dQ, dK, dV, LSE, DELTA,
               stride_qb, stride_qh, stride_qn, stride_kb, stride_kh, stride_kn,
               stride_vb, stride_vh, stride_vn, stride_dob, stride_doh, stride_don,
               stride_dqb, stride_dqh, stride_dqn, stride_dkb, stride_dkh, stride_dkn, stride_dvb, stride_dvh, stride_dvn,
               H, GROUP, N_Q, N_K, left, right, qk_scale, sm_scale,
+              N_Q_BUCKET, N_K_BUCKET,
               HEAD_DIM: tl.constexpr, BLOCK_D: tl.constexpr, HEADS_FIRST: tl.constexpr,
               BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr, DKDV_BLOCK_M: tl.constexpr, USE_TMA: tl.constexpr):
     """The grid's head axis runs over (batch, kv head); its tile axis over that kv head's key
     tiles (dK/dV jobs), then the query tiles of its GROUP query heads (dQ jobs, the heads of one
     query tile side by side, so they read the same K and V tiles at about the same time). Key
     tiles have BLOCK_N rows in both jobs; query tiles BLOCK_M rows where a dQ program holds one,
-    DKDV_BLOCK_M where a dK/dV program streams them (each job has its best)."""
+    DKDV_BLOCK_M where a dK/dV program streams them (each job has its best). N_Q_BUCKET and
+    N_K_BUCKET are only the tuner's key (launch.length_bucket)."""
     tile, b_kv, tiles = program_tile_and_head(HEADS_FIRST)
     b, kv_head = b_kv // (H // GROUP), b_kv % (H // GROUP)
     mask = (N_Q, N_K, left, right)
@@ -221,6 +224,7 @@ def flash_backward(q, k, v, o, do, lse, is_causal=False, window_size=(-1, -1), c
     kernel, config_args = (_attn_bwd, {}) if config is None else (_attn_bwd.fn, config.all_kwargs())
     kernel[grid](q, k, v, do, dq, dk, dv, lse, delta, *q.stride()[:3], *k.stride()[:3], *v.stride()[:3],
                  *do.stride()[:3], *dq.stride()[:3], *dk.stride()[:3], *dv.stride()[:3],
-                 H, group, N_Q, N_K, left, right, D ** -0.5 * LOG2_E.value, D ** -0.5,
+                 H, group, N_Q, N_K, left, right, D ** -0.5 * LOG2_E.value, D ** -0.5, length_bucket(N_Q),
+                 length_bucket(N_K),
                  HEAD_DIM=D, BLOCK_D=head_dim_block(D), HEADS_FIRST=go_heads_first, **config_args)
     return dq, dk, dv

@@ -18,8 +18,8 @@ import triton
 import triton.language as tl
 
 from .hopper import forward as hopper_forward
-from .launch import (INTERPRETING, as_4d, autotuned, descriptor_ready, head_dim_block, heads_first, new_like,
-                     program_grid, set_tma_scratch_allocator)
+from .launch import (INTERPRETING, as_4d, autotuned, descriptor_ready, head_dim_block, heads_first, length_bucket,
+                     new_like, program_grid, set_tma_scratch_allocator)
 from .masks import key_tile_bounds_tl, visible_in_tile_tl, window_bounds
 from .triton_tiles import LN_2, LOG2_E, head_matrix, load_tile, program_tile_and_head, query_tile_start, store_tile
 
@@ -82,15 +82,16 @@ FORWARD_CONFIGS = [
 ]
 
 
-@autotuned(FORWARD_CONFIGS, forward_smem_rows, key=["N_Q", "N_K", "H", "left", "right", "HEAD_DIM"])
+@autotuned(FORWARD_CONFIGS, forward_smem_rows, key=["N_Q_BUCKET", "N_K_BUCKET", "H", "left", "right", "HEAD_DIM"])
 @triton.jit(do_not_specialize=["N_Q", "N_K"])
 def _attn_fwd(Q, K, V, O, LSE,
               stride_qb, stride_qh, stride_qn, stride_kb, stride_kh, stride_kn,
               stride_vb, stride_vh, stride_vn, stride_ob, stride_oh, stride_on,
-              H, GROUP, N_Q, N_K, left, right, qk_scale,
+              H, GROUP, N_Q, N_K, left, right, qk_scale, N_Q_BUCKET, N_K_BUCKET,
               HEAD_DIM: tl.constexpr, BLOCK_D: tl.constexpr, HEADS_FIRST: tl.constexpr,
               BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr, USE_TMA: tl.constexpr):
-    """One program: the query tile from start_m of (batch b, head h), against kv head h // GROUP."""
+    """One program: the query tile from start_m of (batch b, head h), against kv head h // GROUP.
+    N_Q_BUCKET and N_K_BUCKET are only the tuner's key (launch.length_bucket)."""
     tile, bh, tiles = program_tile_and_head(HEADS_FIRST)
     start_m = query_tile_start(tile, tiles, BLOCK_M)
     b, h = bh // H, bh % H
@@ -143,6 +144,7 @@ def flash_forward(q, k, v, is_causal=False, window_size=(-1, -1), config=None):
     kernel, config_args = (_attn_fwd, {}) if config is None else (_attn_fwd.fn, config.all_kwargs())
     set_tma_scratch_allocator()
     kernel[grid](q, k, v, o, lse, *q.stride()[:3], *k.stride()[:3], *v.stride()[:3], *o.stride()[:3],
-                 H, H // k.shape[1], N_Q, N_K, left, right, D ** -0.5 * LOG2_E.value,
+                 H, H // k.shape[1], N_Q, N_K, left, right, D ** -0.5 * LOG2_E.value, length_bucket(N_Q),
+                 length_bucket(N_K),
                  HEAD_DIM=D, BLOCK_D=head_dim_block(D), HEADS_FIRST=go_heads_first, **config_args)
     return o, lse
