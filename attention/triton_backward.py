@@ -26,10 +26,14 @@ import triton
 import triton.language as tl
 
 from .hopper import backward as hopper_backward
-from .launch import (INTERPRETING, as_4d, autotuned, descriptor_ready, head_dim_block, heads_first, length_bucket,
-                     new_like, program_grid, set_tma_scratch_allocator)
+from .launch import (INTERPRETING, as_4d, autotuned, cdiv, descriptor_ready, head_dim_block, heads_first,
+                     kernels_may_load, length_bucket, new_like, program_grid, set_tma_scratch_allocator)
+from .launch_plan import Launch, plan_key, same_memory
 from .masks import key_tile_bounds_tl, query_tile_bounds_tl, visible_in_tile_tl, window_bounds
 from .triton_tiles import LOG2_E, head_matrix, load_tile, program_tile_and_head, query_tile_start, store_tile
+
+
+DELTA_BLOCK_M = 64  # the query rows of a delta program
 
 
 @triton.jit(do_not_specialize=["N_Q"])
@@ -191,40 +195,67 @@ def _attn_bwd(Q, K, V, dO, dQ, dK, dV, LSE, DELTA,
         store_tile(dq_head, start_m, dq * sm_scale, BLOCK_M, HEAD_DIM, BLOCK_D, USE_TMA)
 
 
+# flash_backward's launch plans (launch_plan.py): key -> (the gradients' shapes and strides,
+# the delta launch, the dQ/dK/dV launch).
+PLANS = {}
+
+
 def flash_backward(q, k, v, o, do, lse, is_causal=False, window_size=(-1, -1), config=None):
     """dq, dk, dv of O = attention(q, k, v) given do, for q, o, do (B, H, N_q, D), k, v
     (B, H_kv, N_k, D) (fewer dims are read as leading ones) and the forward's lse. Each gradient
     is laid out in its input's memory order and shaped (B, H, N, D). config: a triton.Config of
-    _attn_bwd's, to bypass the tuner and the Hopper kernel (tests, bench.py)."""
+    _attn_bwd's, to bypass the tuner, the Hopper kernel and the plans (tests, bench.py). A layout
+    seen before launches from its plan; the rest of this function is what makes one."""
+    # Whether torch asks for determinism is in the key: it decides whether the Hopper kernel serves.
+    key = plan_key((q, k, v, o, do, lse), is_causal, tuple(window_size),
+                   torch.are_deterministic_algorithms_enabled()) if config is None else None
+    plan = PLANS.get(key)
+    if plan is not None:
+        layouts, delta_launch, launch = plan
+        dq, dk, dv = (torch.empty_strided(shape, strides, dtype=q.dtype, device=q.device) for shape, strides in layouts)
+        delta = torch.empty(layouts[0][0][:3], dtype=torch.float32, device=q.device)
+        set_tma_scratch_allocator()
+        delta_launch(o, do, delta)
+        launch(q, k, v, do, dq, dk, dv, lse, delta)
+        return dq, dk, dv
     dq, dk, dv = (new_like(as_4d(t)) for t in (q, k, v))
-    q, k, v, o, do = (descriptor_ready(t) for t in (q, k, v, o, do))
-    B, H, N_Q, D = q.shape
-    H_KV, N_K = k.shape[1], k.shape[2]
-    lse = lse.reshape(B, H, N_Q).contiguous()
+    q4, k4, v4, o4, do4 = (descriptor_ready(t) for t in (q, k, v, o, do))
+    B, H, N_Q, D = q4.shape
+    H_KV, N_K = k4.shape[1], k4.shape[2]
+    lse4 = lse.reshape(B, H, N_Q).contiguous()
     if INTERPRETING and q.dtype == torch.bfloat16:  # as in flash_forward: the interpreter's bf16 dot is wrong
-        grads = flash_backward(q.float(), k.float(), v.float(), o.float(), do.float(), lse, is_causal, window_size,
-                               config)
+        grads = flash_backward(q4.float(), k4.float(), v4.float(), o4.float(), do4.float(), lse4, is_causal,
+                               window_size, config)
         return tuple(g.copy_(g32) for g, g32 in zip((dq, dk, dv), grads))
-    if q.numel() * N_K == 0:  # no query or no key: every gradient is zero
+    if q4.numel() * N_K == 0:  # no query or no key: every gradient is zero
         return dq.zero_(), dk.zero_(), dv.zero_()
     left, right = window_bounds(is_causal, window_size)
-    go_heads_first = heads_first(k, B * H)
+    go_heads_first = heads_first(k4, B * H)
     delta = torch.empty((B, H, N_Q), dtype=torch.float32, device=q.device)
     set_tma_scratch_allocator()
-    _attn_bwd_delta[program_grid(triton.cdiv(N_Q, 64), B * H, go_heads_first)](
-        o, do, delta, *o.stride()[:3], *do.stride()[:3], H, N_Q,
-        HEAD_DIM=D, BLOCK_D=head_dim_block(D), HEADS_FIRST=go_heads_first, BLOCK_M=64, num_warps=4)
-    if config is None and hopper_backward.serves(q, k, left, right):
-        hopper_backward.launch(q, k, v, do, lse, delta, is_causal, dq, dk, dv)
+    delta_grid = program_grid(cdiv(N_Q, DELTA_BLOCK_M), B * H, go_heads_first)
+    delta_args = (o4, do4, delta, *o4.stride()[:3], *do4.stride()[:3], H, N_Q)
+    delta_constexprs = dict(HEAD_DIM=D, BLOCK_D=head_dim_block(D), HEADS_FIRST=go_heads_first, BLOCK_M=DELTA_BLOCK_M)
+    with kernels_may_load(q.device):
+        delta_compiled = _attn_bwd_delta[delta_grid](*delta_args, **delta_constexprs, num_warps=4)
+    if config is None and hopper_backward.serves(q4, k4, left, right):
+        with kernels_may_load(q.device):
+            hopper_backward.launch(q4, k4, v4, do4, lse4, delta, is_causal, dq, dk, dv)
         return dq, dk, dv
     group = H // H_KV
     # Per (batch, kv head): its key tiles, then its GROUP heads' query tiles (see _attn_bwd).
-    grid = lambda meta: program_grid(triton.cdiv(N_K, meta["BLOCK_N"]) + group * triton.cdiv(N_Q, meta["BLOCK_M"]),
-                                     B * H_KV, go_heads_first)
+    grid = lambda meta: program_grid(cdiv(N_K, meta["BLOCK_N"]) + group * cdiv(N_Q, meta["BLOCK_M"]), B * H_KV,
+                                     go_heads_first)
     kernel, config_args = (_attn_bwd, {}) if config is None else (_attn_bwd.fn, config.all_kwargs())
-    kernel[grid](q, k, v, do, dq, dk, dv, lse, delta, *q.stride()[:3], *k.stride()[:3], *v.stride()[:3],
-                 *do.stride()[:3], *dq.stride()[:3], *dk.stride()[:3], *dv.stride()[:3],
-                 H, group, N_Q, N_K, left, right, D ** -0.5 * LOG2_E.value, D ** -0.5, length_bucket(N_Q),
-                 length_bucket(N_K),
-                 HEAD_DIM=D, BLOCK_D=head_dim_block(D), HEADS_FIRST=go_heads_first, **config_args)
+    args = (q4, k4, v4, do4, dq, dk, dv, lse4, delta, *q4.stride()[:3], *k4.stride()[:3], *v4.stride()[:3],
+            *do4.stride()[:3], *dq.stride()[:3], *dk.stride()[:3], *dv.stride()[:3],
+            H, group, N_Q, N_K, left, right, D ** -0.5 * LOG2_E.value, D ** -0.5,
+            length_bucket(N_Q), length_bucket(N_K))
+    constexprs = dict(HEAD_DIM=D, BLOCK_D=head_dim_block(D), HEADS_FIRST=go_heads_first)
+    with kernels_may_load(q.device):
+        compiled = kernel[grid](*args, **constexprs, **config_args)
+    if key is not None and compiled is not None and same_memory((q, k, v, o, do, lse), (q4, k4, v4, o4, do4, lse4)):
+        layouts = tuple((g.shape, g.stride()) for g in (dq, dk, dv))
+        PLANS[key] = (layouts, Launch(_attn_bwd_delta, delta_compiled, delta_grid, delta_args, delta_constexprs,
+                                      n_tensors=3), Launch(kernel, compiled, grid, args, constexprs, n_tensors=9))
     return dq, dk, dv
