@@ -75,6 +75,7 @@ import torch.nn.functional as F  # noqa: E402
 from torch.nn.attention import SDPBackend, sdpa_kernel  # noqa: E402
 
 from attention import attention, decode_attention, launch, store_in_cache, triton_decode  # noqa: E402
+from attention.cuda_graph import capture_graph  # noqa: E402
 from attention.masks import UNBOUNDED  # noqa: E402
 from attention.hopper import forward as hopper_forward  # noqa: E402
 from attention.launch import fitting_configs  # noqa: E402
@@ -330,13 +331,11 @@ def split_steps(q, k, v, k_cache, v_cache, pos):
 
 
 def graphed(step):
-    """step captured in a CUDA graph, as sample.py runs a decoding step: a replay times the GPU's
-    work, not the host's (decode_attention's checks, pos's among them, which reads pos and so
-    waits for the GPU outside a capture). do_bench still clears the L2 before each replay."""
-    step()  # compiles the kernels before the capture
-    graph = torch.cuda.CUDAGraph()
-    with torch.cuda.graph(graph):
-        step()
+    """step captured in a CUDA graph (attention.cuda_graph.capture_graph, after one warm-up call
+    that compiles the kernels), as sample.py runs a decoding step: a replay times the GPU's work,
+    not the host's (decode_attention's checks, pos's among them, which reads pos and so waits for
+    the GPU outside a capture). do_bench still clears the L2 before each replay."""
+    graph, _ = capture_graph(step)
     return graph.replay
 
 
