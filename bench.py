@@ -6,7 +6,7 @@ process on one CUDA card (the host mode on any machine).
     python bench.py --quick=True         # three lengths of each grid
     python bench.py --mode=ladder        # the forward, one optimisation at a time (docs/optimisation.md)
     python bench.py --mode=configs       # every tile config of each Triton kernel that fits the card, timed
-    python bench.py --mode=step          # the default model's training step per backend: GPU and wall ms
+    python bench.py --mode=step          # the default model's training step per backend and mode: wall ms, x sdpa, GPU ms
     python bench.py --mode=step --block_sizes=256,512,1024,4096 --max_memory_gb=12   # ... and memory, per context
     python bench.py --mode=decode        # one decoding step against a full KV cache: bytes read, share of the bandwidth
     python bench.py --mode=host          # what one attention call costs the host, per backend (a GPU or not)
@@ -470,8 +470,43 @@ def step_times(rounds=6, steps=5):
                       flush=True)
             built = step = None  # frees the models before the next ones are built
             torch._dynamo.reset()
-        write("step", results, step_table(results))  # after each block size: a cut run keeps it
+        write("step", results, step_summary(results) + "\n\n" + step_table(results))  # a cut run keeps each block size
+    print(step_summary(results))
     return results
+
+
+def mode_heading(compile_mode):
+    """"none" -> "uncompiled", "default+graph" -> "compiled (default) + CUDA graph"."""
+    if compile_mode == "none":
+        return "uncompiled"
+    graph = " + CUDA graph" if compile_mode.endswith("+graph") else ""
+    return f"compiled ({compile_mode.removesuffix('+graph')}){graph}"
+
+
+def step_summary(results):
+    """Markdown: per block size, a row per backend and a column per compile mode, each cell the
+    median wall ms a step, its multiple of sdpa's in the same mode, and the GPU ms."""
+    runs = {}
+    for name, result in results.items():
+        backend, mode, block = name.split(" ")
+        runs[block, backend, mode] = result
+    modes = list(dict.fromkeys(mode for _, _, mode in runs))
+    lines = []
+    for block in dict.fromkeys(block for block, _, _ in runs):
+        lines += [f"Wall ms a step at {block} (median), its multiple of sdpa's in the same mode, and GPU ms:", "",
+                  "| backend | " + " | ".join(map(mode_heading, modes)) + " |", "|---" * (len(modes) + 1) + "|"]
+        for backend in dict.fromkeys(backend for b, backend, _ in runs if b == block):
+            cells = []
+            for mode in modes:
+                result, sdpa = runs.get((block, backend, mode), {}), runs.get((block, "sdpa", mode), {})
+                if "wall_ms" not in result:
+                    cells.append(result.get("status", "not run"))
+                    continue
+                of_sdpa = f" ({result['wall_ms'] / sdpa['wall_ms']:.2f}x sdpa)" if "wall_ms" in sdpa else ""
+                cells.append(f"{result['wall_ms']:.2f}{of_sdpa}, GPU {result['gpu_ms']:.2f}")
+            lines.append(f"| {backend} | " + " | ".join(cells) + " |")
+        lines.append("")
+    return "\n".join(lines).rstrip()
 
 
 def step_table(results):

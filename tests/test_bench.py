@@ -131,3 +131,17 @@ def test_the_host_mode_runs_without_a_gpu(tmp_path):
     assert {(r["backend"], r["mode"]) for r in rows} == {
         (name, mode) for name in (*BACKENDS, "F.scaled_dot_product_attention") for mode in ("fwd", "fwd+bwd")}
     assert all(r["us"] > 0 for r in rows) and "stand-in CUDA driver" in (tmp_path / "host.md").read_text()
+
+
+def test_the_step_summary_gives_each_mode_a_column_and_each_wall_time_as_a_multiple_of_sdpas(bench):
+    """bench.py --mode=step's summary: the wall ms a step of each backend in each compile mode,
+    beside its multiple of sdpa's in the same mode (what the step's targets are stated in)."""
+    results = {f"{backend} {mode} T=512": dict(wall_ms=wall, gpu_ms=gpu, wall_ms_iqr=(wall, wall), peak_mb=1.0)
+               for backend, walls, gpu in (("sdpa", (29.4, 19.6, 5.43), 5.0), ("triton", (32.0, 21.0, 4.96), 4.0))
+               for mode, wall in zip(("none", "default", "default+graph"), walls)}
+    results["eager none T=512"] = dict(status="out of memory")
+    summary = bench.step_summary(results)
+    assert "| backend | uncompiled | compiled (default) | compiled (default) + CUDA graph |" in summary
+    assert ("| triton | 32.00 (1.09x sdpa), GPU 4.00 | 21.00 (1.07x sdpa), GPU 4.00 | 4.96 (0.91x sdpa), GPU 4.00 |"
+            in summary)
+    assert "| eager | out of memory | not run | not run |" in summary
