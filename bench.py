@@ -6,7 +6,7 @@ process on one CUDA card (the host mode on any machine).
     python bench.py --quick=True         # three lengths of each grid
     python bench.py --mode=ladder        # the forward, one optimisation at a time (docs/optimisation.md)
     python bench.py --mode=configs       # every tile config of each Triton kernel that fits the card, timed
-    python bench.py --mode=step          # the default model's training step per backend and mode: wall ms, x sdpa, GPU ms
+    python bench.py --mode=step          # the default model's training step per backend and mode: wall ms, GPU ms
     python bench.py --mode=step --block_sizes=256,512,1024,4096 --max_memory_gb=12   # ... and memory, per context
     python bench.py --mode=decode        # one decoding step against a full KV cache: bytes read, share of the bandwidth
     python bench.py --mode=host          # what one attention call costs the host, per backend (a GPU or not)
