@@ -568,10 +568,10 @@ def host_times():
     for row in rows:
         print(f"{row['backend']:<32} {row['mode']:<8} {row['shape']:<12} {row['us']:8.1f} us  "
               f"{row['of_torch_sdpa']:5.2f}x torch's sdpa", flush=True)
+    stand_in = "" if on_gpu else ("; no GPU: Triton's launch path with a stand-in CUDA driver, no kernel runs, and "
+                                  "the rows that run torch's kernels on the CPU at 1x1x16x32")
     method = (f"CPU time of the calling thread, the GPU synchronised between calls, least mean of {config.host_rounds} "
-              "rounds of 50 calls (training/host_cost.py)" + ("" if on_gpu else "; no GPU: Triton's launch path with a "
-                                                        "stand-in CUDA driver, no kernel runs, and the rows that "
-                                                        "run torch's kernels on the CPU at 1x1x16x32"))
+              f"rounds of 50 calls (training/host_cost.py){stand_in}")
     write("host", dict(method=method, rows=rows), host_table(rows, method))
     return rows
 
