@@ -1,14 +1,15 @@
 """Benchmarks: the attention kernels and the training step, every provider side by side in one
-process on one CUDA card.
+process on one CUDA card (the host mode on any machine).
 
     python bench.py                      # the paper grid: forward, backward, forward+backward -> bench-out/
     python bench.py --grid=long          # one sequence, causal, 128 to 65,536 tokens; the model's own shapes
     python bench.py --quick=True         # three lengths of each grid
     python bench.py --mode=ladder        # the forward, one optimisation at a time (docs/optimisation.md)
     python bench.py --mode=configs       # every tile config of each Triton kernel that fits the card, timed
-    python bench.py --mode=step          # the default model's training step per backend: GPU and wall ms
+    python bench.py --mode=step          # the default model's training step per backend and mode: wall ms, GPU ms
     python bench.py --mode=step --block_sizes=256,512,1024,4096 --max_memory_gb=12   # ... and memory, per context
     python bench.py --mode=decode        # one decoding step against a full KV cache: bytes read, share of the bandwidth
+    python bench.py --mode=host          # what one attention call costs the host, per backend (a GPU or not)
     NANOFA2_ADA=1 python bench.py ...    # the path an RTX 4070 Super takes (attention/launch.py says what)
     python bench.py --impl=mine          # your functions (mine/) beside ours and FA2; on a CPU, in the interpreter
 
@@ -25,7 +26,10 @@ the default run's tokens per micro-batch; a backend out of memory is not run at 
 The decode mode times decode_attention alone, one new token against a full cache (triton, sdpa,
 and sdpa over the whole cache with no mask, exact there; triton at other split counts too),
 replayed from a CUDA graph as sample.py runs it, and divides the K and V bytes read by the time
-and by the card's memory bandwidth. Writes JSON and markdown (and a plot of each grid)
+and by the card's memory bandwidth. The host mode times the CPU time one attention call takes, at the
+default model's shape, forward and forward+backward, per backend and for torch's
+scaled_dot_product_attention itself; without a GPU through a stand-in CUDA driver
+(training/host_cost.py says how). Writes JSON and markdown (and a plot of each grid)
 to --out. Whole-model decoding: sample.py --benchmark=True. --impl=mine (bench_mine) prints a table
 of its own and writes nothing.
 """
@@ -39,8 +43,8 @@ import time
 from dataclasses import asdict, dataclass, replace
 from unittest import mock
 
-from training.config import (BACKENDS, COMPILE_MODES, CUDA_GRAPH_COMPILE_MODES, ConfigError, TrainConfig, check_folder,
-                             choice, first_broken, parse_config)
+from training.config import (BACKENDS, COMPILE_MODES, CUDA_GRAPH_COMPILE_MODES, TRITON_BACKENDS, ConfigError,
+                             TrainConfig, check_folder, choice, first_broken, parse_config)
 
 # The backends (attention/backends.py), sdpa split into the kernels torch chooses among.
 SDPA_KERNELS = ("sdpa_flash", "sdpa_cudnn", "sdpa_efficient")
@@ -50,7 +54,7 @@ MODES = ("fwd", "bwd", "fwd+bwd")
 
 @dataclass
 class BenchConfig:
-    mode: str = choice("grid", ("grid", "ladder", "configs", "step", "decode"))  # what to measure
+    mode: str = choice("grid", ("grid", "ladder", "configs", "step", "decode", "host"))  # what to measure
     grid: str = choice("paper", ("paper", "long", "all"))  # mode=grid: which grid of shapes
     quick: bool = False  # mode=grid: three lengths of each grid
     providers: str = "triton,sdpa_flash,sdpa_cudnn"  # mode=grid: comma-separated, of the backends but sdpa, and sdpa's kernels: sdpa_flash (FlashAttention-2), sdpa_cudnn, sdpa_efficient
@@ -59,6 +63,7 @@ class BenchConfig:
     block_sizes: str = "512"  # mode=step: comma-separated contexts, e.g. 256,512,4096; 2,048 tokens a micro-batch
     max_memory_gb: float = 0.0  # mode=step: cap torch's CUDA memory at this many GiB (12: a 12 GB card); 0: no cap
     rep_ms: int = 100  # do_bench's timing window per measurement, ms
+    host_rounds: int = 15  # mode=host: rounds of 50 calls of each case, each case keeping its least mean
     out: str = "bench-out"  # folder for the results
     impl: str = choice("ours", ("ours", "mine"))  # mine: time your functions (mine/) beside ours at one shape, on a CPU too
 
@@ -70,6 +75,8 @@ def check(config):
     unknown = set(config.backends.split(",")) - set(BACKENDS)
     if unknown:
         raise ConfigError(f"backends={config.backends!r}: unknown {sorted(unknown)}; choose from {', '.join(BACKENDS)}")
+    if config.host_rounds < 1:
+        raise ConfigError(f"host_rounds={config.host_rounds}: expected an int >= 1")
     if not all(size.isdigit() and int(size) >= 1 for size in config.block_sizes.split(",")):
         raise ConfigError(f"block_sizes={config.block_sizes!r}: expected ints >= 1, comma-separated, e.g. 256,512")
     if config.impl == "mine" and config.mode != "grid":
@@ -92,10 +99,15 @@ def check(config):
 config = parse_config(BenchConfig, check=check, usage=__doc__)  # before torch loads: --help answers at once
 
 import torch  # noqa: E402
+
+if config.mode == "host" and not torch.cuda.is_available():
+    from training.host_cost import stand_in_for_the_gpu  # noqa: E402
+    stand_in_for_the_gpu()  # before attention loads, and with it Triton
 import torch.nn.functional as F  # noqa: E402
 from torch.nn.attention import SDPBackend, sdpa_kernel  # noqa: E402
 
 from attention import attention, decode_attention, launch, store_in_cache, triton_decode  # noqa: E402
+from attention.cuda_graph import capture_graph  # noqa: E402
 from attention.masks import UNBOUNDED  # noqa: E402
 from attention.hopper import backward as hopper_backward  # noqa: E402
 from attention.hopper import forward as hopper_forward  # noqa: E402
@@ -105,6 +117,7 @@ from attention.triton_forward import FORWARD_CONFIGS, _attn_fwd, flash_forward, 
 from attention import tiled, triton_backward, triton_forward  # noqa: E402
 from model import GPT, GPTConfig, compile_model  # noqa: E402
 from training.devices import CARDS, World, autocast, cap_memory, synchronize  # noqa: E402
+from training.host_cost import least_host_us  # noqa: E402
 from training.step import make_train_step  # noqa: E402
 
 import triton  # noqa: E402, I001  (after attention, which decides whether Triton interprets)
@@ -377,13 +390,11 @@ def split_steps(q, k, v, k_cache, v_cache, pos):
 
 
 def graphed(step):
-    """step captured in a CUDA graph, as sample.py runs a decoding step: a replay times the GPU's
-    work, not the host's (decode_attention's checks, pos's among them, which reads pos and so
-    waits for the GPU outside a capture). do_bench still clears the L2 before each replay."""
-    step()  # compiles the kernels before the capture
-    graph = torch.cuda.CUDAGraph()
-    with torch.cuda.graph(graph):
-        step()
+    """step captured in a CUDA graph (attention.cuda_graph.capture_graph, after one warm-up call
+    that compiles the kernels), as sample.py runs a decoding step: a replay times the GPU's work,
+    not the host's (decode_attention's checks, pos's among them, which reads pos and so waits for
+    the GPU outside a capture). do_bench still clears the L2 before each replay."""
+    graph, _ = capture_graph(step)
     return graph.replay
 
 
@@ -506,8 +517,43 @@ def step_times(rounds=6, steps=5):
                       flush=True)
             built = step = None  # frees the models before the next ones are built
             torch._dynamo.reset()
-        write("step", results, step_table(results))  # after each block size: a cut run keeps it
+        write("step", results, step_summary(results) + "\n\n" + step_table(results))  # a cut run keeps each block size
+    print(step_summary(results))
     return results
+
+
+def mode_heading(compile_mode):
+    """"none" -> "uncompiled", "default+graph" -> "compiled (default) + CUDA graph"."""
+    if compile_mode == "none":
+        return "uncompiled"
+    graph = " + CUDA graph" if compile_mode.endswith("+graph") else ""
+    return f"compiled ({compile_mode.removesuffix('+graph')}){graph}"
+
+
+def step_summary(results):
+    """Markdown: per block size, a row per backend and a column per compile mode, each cell the
+    median wall ms a step, its multiple of sdpa's in the same mode, and the GPU ms."""
+    runs = {}
+    for name, result in results.items():
+        backend, mode, block = name.split(" ")
+        runs[block, backend, mode] = result
+    modes = list(dict.fromkeys(mode for _, _, mode in runs))
+    lines = []
+    for block in dict.fromkeys(block for block, _, _ in runs):
+        lines += [f"Wall ms a step at {block} (median), its multiple of sdpa's in the same mode, and GPU ms:", "",
+                  "| backend | " + " | ".join(map(mode_heading, modes)) + " |", "|---" * (len(modes) + 1) + "|"]
+        for backend in dict.fromkeys(backend for b, backend, _ in runs if b == block):
+            cells = []
+            for mode in modes:
+                result, sdpa = runs.get((block, backend, mode), {}), runs.get((block, "sdpa", mode), {})
+                if "wall_ms" not in result:
+                    cells.append(result.get("status", "not run"))
+                    continue
+                of_sdpa = f" ({result['wall_ms'] / sdpa['wall_ms']:.2f}x sdpa)" if "wall_ms" in sdpa else ""
+                cells.append(f"{result['wall_ms']:.2f}{of_sdpa}, GPU {result['gpu_ms']:.2f}")
+            lines.append(f"| {backend} | " + " | ".join(cells) + " |")
+        lines.append("")
+    return "\n".join(lines).rstrip()
 
 
 def step_table(results):
@@ -587,7 +633,82 @@ def bench_mine():
                 print(f"{label:<24} {who:<6} {ms:9.3f} ms  {speed}from ours: {diff}", flush=True)
 
 
+# The default model's attention: 8 sequences, 12 heads, 512 tokens, head dim 32, bf16, causal.
+HOST_SHAPE = dict(B=8, H=12, N=512, D=32, causal=True, dtype="bfloat16")
+# Without a GPU, the rows whose work runs as torch ops on the CPU: tiny, so their math is next to nothing.
+HOST_TINY_SHAPE = dict(HOST_SHAPE, B=1, H=1, N=16)
+TORCH_SDPA = "F.scaled_dot_product_attention"  # torch's own call, without attention()'s checks
+
+
+def host_inputs(shape, device, requires_grad):
+    """q, k, v: the model's (B, H, N, D) views of one fused projection, as leaves (so that a
+    backward stops at them), and dO."""
+    B, H, N, D = shape["B"], shape["H"], shape["N"], shape["D"]
+    qkv = torch.randn(B, N, 3 * H, D, device=device, dtype=getattr(torch, shape["dtype"])).transpose(1, 2)
+    q, k, v = (t.requires_grad_(requires_grad) for t in qkv.split([H, H, H], dim=1))
+    return q, k, v, torch.randn_like(q)
+
+
+def host_cases(shape, tiny_shape, device, stand_in):
+    """{(backend, pass): (shape, call)}: one call of each backend and of torch's sdpa itself,
+    forward alone (no gradient asked for) and forward+backward. With the stand-in driver only the
+    Triton kernels' launches cost nothing, so the rows that run torch's kernels on the CPU take
+    tiny_shape: eager, tiled and sdpa, and triton_fwd's PyTorch backward."""
+    cases = {}
+    for name in (*BACKENDS, TORCH_SDPA):
+        for mode in ("fwd", "fwd+bwd"):
+            runs_torch_kernels = name not in TRITON_BACKENDS or (name == "triton_fwd" and mode == "fwd+bwd")
+            at = tiny_shape if stand_in and runs_torch_kernels else shape
+            q, k, v, do = host_inputs(at, device, requires_grad=mode == "fwd+bwd")
+            call = (functools.partial(F.scaled_dot_product_attention, is_causal=at["causal"]) if name == TORCH_SDPA
+                    else functools.partial(attention, is_causal=at["causal"], backend=name))
+            if mode == "fwd":
+                cases[name, mode] = at, functools.partial(call, q, k, v)
+            else:
+                cases[name, mode] = at, functools.partial(
+                    lambda call, q, k, v, do: torch.autograd.grad(call(q, k, v), (q, k, v), do), call, q, k, v, do)
+    return cases
+
+
+def host_times():
+    """µs of host time a call (training/host_cost.py), each row beside torch's sdpa's."""
+    on_gpu = torch.cuda.is_available()
+    cases = host_cases(HOST_SHAPE, HOST_TINY_SHAPE, "cuda" if on_gpu else "cpu", stand_in=not on_gpu)
+    us = least_host_us({key: call for key, (_, call) in cases.items()}, rounds=config.host_rounds,
+                       synchronize=torch.cuda.synchronize if on_gpu else lambda: None)
+    rows = [dict(backend=name, mode=mode, shape="x".join(str(at[d]) for d in "BHND"), us=us[name, mode],
+                 of_torch_sdpa=us[name, mode] / us[TORCH_SDPA, mode]) for (name, mode), (at, _) in cases.items()]
+    for row in rows:
+        print(f"{row['backend']:<32} {row['mode']:<8} {row['shape']:<12} {row['us']:8.1f} us  "
+              f"{row['of_torch_sdpa']:5.2f}x torch's sdpa", flush=True)
+    stand_in = "" if on_gpu else ("; no GPU: Triton's launch path with a stand-in CUDA driver, no kernel runs, and "
+                                  "the rows that run torch's kernels on the CPU at 1x1x16x32")
+    method = (f"CPU time of the calling thread, the GPU synchronised between calls, least mean of {config.host_rounds} "
+              f"rounds of 50 calls (training/host_cost.py){stand_in}")
+    write("host", dict(method=method, rows=rows), host_table(rows, method))
+    return rows
+
+
+def host_table(rows, method):
+    """Markdown: a row per backend, forward and forward+backward, µs and the multiple of torch's sdpa."""
+    lines = [f"Host µs a call, {HOST_SHAPE['B']}x{HOST_SHAPE['H']}x{HOST_SHAPE['N']}x{HOST_SHAPE['D']} bf16 "
+             f"causal unless the shape says otherwise: {method}.", "",
+             "| backend | shape fwd | fwd µs | x torch sdpa | shape fwd+bwd | fwd+bwd µs | x torch sdpa |",
+             "|---|---|---|---|---|---|---|"]
+    by = {(r["backend"], r["mode"]): r for r in rows}
+    for name in dict.fromkeys(r["backend"] for r in rows):
+        fwd, both = by[name, "fwd"], by[name, "fwd+bwd"]
+        lines.append(f"| {name} | {fwd['shape']} | {fwd['us']:.1f} | {fwd['of_torch_sdpa']:.2f} | {both['shape']} | "
+                     f"{both['us']:.1f} | {both['of_torch_sdpa']:.2f} |")
+    return "\n".join(lines)
+
+
 def environment():
+    if not torch.cuda.is_available():  # the host mode's stand-in (training/host_cost.py)
+        return dict(card=f"no GPU: {platform.processor() or platform.machine()} CPU, {os.cpu_count()} cores, "
+                         "a stand-in CUDA driver", sm="-", path="native", torch=torch.__version__,
+                    triton=triton.__version__, cuda="-", cudnn="-", python=platform.python_version(),
+                    date=time.strftime("%Y-%m-%d"), settings=asdict(config))
     props = torch.cuda.get_device_properties(0)
     card = this_card()
     return dict(card=props.name, sm=f"{props.major}{props.minor}", path="consumer card (NANOFA2_ADA=1)"
@@ -611,9 +732,14 @@ def write(name, results, markdown=None):
 def main():
     if config.impl == "mine":
         return bench_mine()
-    if not torch.cuda.is_available():
-        raise SystemExit("bench.py times GPU kernels: it needs a CUDA GPU")
     os.makedirs(config.out, exist_ok=True)
+    if config.mode == "host":  # on any machine
+        print(" ".join(f"{key}={value}" for key, value in environment().items() if key != "settings"))
+        host_times()
+        print(f"wrote {config.out}/")
+        return
+    if not torch.cuda.is_available():
+        raise SystemExit("bench.py times GPU kernels: it needs a CUDA GPU (--mode=host runs without one)")
     print(" ".join(f"{key}={value}" for key, value in environment().items() if key != "settings"))
     card = this_card()
     print(f"fractions of peak are of {card.tflops} TFLOP/s and {card.gb_per_s:,} GB/s ({card.source})" if card else

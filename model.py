@@ -22,6 +22,7 @@ import torch.nn.functional as F
 
 from attention import BACKENDS, attention, decode_attention, store_in_cache
 from attention.decode import check_position
+from attention.cuda_graph import capture_graph
 
 # torch.profiler ranges that training/profiling.py sorts a step's time by.
 ATTENTION_RANGE = "attention"
@@ -171,29 +172,29 @@ class StaticDecoder:
         return self.drawn[:, start:start + n_tokens].clone()
 
     def capture(self):
-        """Warm up on a side stream (compiling and Triton's loading may not happen during
-        capture), then record one step. Each warm-up step starts from the saved token and pos,
-        and draws on a forked RNG, so the replays write and draw what uncaptured steps would.
-        Autocast's cache of cast weights would be freed under a graph that still reads it, so
-        bf16 generation casts the weights once beforehand (training/devices.py's
+        """Record one step (attention.cuda_graph.capture_graph) after two warm-up steps
+        (compiling and Triton's loading may not happen during capture). Each warm-up step starts
+        from the saved token and pos, and draws on a forked RNG, so the replays write and draw what
+        uncaptured steps would. Autocast's cache of cast weights would be freed under a graph that
+        still reads it, so bf16 generation casts the weights once beforehand (training/devices.py's
         generation_precision) and only float16's keeps autocast, uncached."""
         autocast = dict(device_type="cuda", dtype=torch.get_autocast_dtype("cuda"),
                         enabled=torch.is_autocast_enabled("cuda"), cache_enabled=False)
         token, pos = self.token.clone(), self.pos.clone()
-        with torch.autocast(**autocast):
-            side = torch.cuda.Stream()
-            side.wait_stream(torch.cuda.current_stream())
-            with torch.cuda.stream(side), torch.random.fork_rng(devices=[self.token.device]):
-                for _ in range(2):
-                    self.token.copy_(token)
-                    self.pos.copy_(pos)
-                    self.step()
-            torch.cuda.current_stream().wait_stream(side)
+
+        def restart():
             self.token.copy_(token)
             self.pos.copy_(pos)
-            self.graph = torch.cuda.CUDAGraph()
-            with torch.cuda.graph(self.graph):
-                self.step()
+
+        def warm_up():
+            with torch.random.fork_rng(devices=[self.token.device]):
+                for _ in range(2):
+                    restart()
+                    self.step()
+            restart()
+
+        with torch.autocast(**autocast):
+            self.graph, _ = capture_graph(self.step, warm_up)
 
 
 class CausalSelfAttention(nn.Module):

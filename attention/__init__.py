@@ -26,6 +26,8 @@ Read the files in this order (docs/learn.md walks the same path):
   triton_backward.py     the backward kernels: delta, then both passes in one launch
   triton_ops.py          FlashAttentionTriton: the kernels as an autograd.Function
   launch.py              the host side: layouts, configs that fit a card, tuning, the consumer-card switch
+  launch_plan.py         a layout seen before, launched straight from its compiled kernel (eager host time)
+  cuda_graph.py          capture_graph: a step recorded once as a CUDA graph (decoding, training, bench.py)
   recompute_backward.py  triton_fwd's backward, the step before the FlashAttention-2 backward
   decode.py              decode_attention: one new token against a KV cache, every backend
   triton_decode.py       its Triton kernel

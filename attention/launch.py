@@ -36,8 +36,11 @@ TIMED_CONFIGS = 3  # a kernel's configs are listed best first; the tuner times t
 
 
 def as_4d(t):
-    """(..., H, N, D) -> a (B, H, N, D) view (a copy only when the leading dims cannot be viewed).
-    B is counted, not inferred (-1): with an empty dim anywhere, -1 could be any size."""
+    """(..., H, N, D) -> a (B, H, N, D) view (a copy only when the leading dims cannot be viewed);
+    a 4-D tensor as it is. B is counted, not inferred (-1): with an empty dim anywhere, -1 could
+    be any size."""
+    if t.dim() == 4:
+        return t
     if t.dim() < 4:
         return t.reshape((1,) * (4 - t.dim()) + t.shape)
     return t.reshape(math.prod(t.shape[:-3]), *t.shape[-3:])
@@ -73,9 +76,28 @@ def descriptor_ready(t):
     return t4 if describable else t4.clone(memory_format=torch.contiguous_format)
 
 
+# The host's grid and tile arithmetic is on plain ints: triton.cdiv and triton.next_power_of_2
+# are ConstexprFunctions since Triton 3.5, about 2 us a call from the host.
+def cdiv(n, d):
+    """ceil(n / d) for ints."""
+    return -(-n // d)
+
+
+def power_of_2_at_least(n):
+    """The smallest power of two >= n (n >= 1)."""
+    return 1 << (n - 1).bit_length()
+
+
 def head_dim_block(head_dim):
     """The head dim padded to a power of two, at least 16 (the smallest tl.dot takes)."""
-    return max(16, triton.next_power_of_2(head_dim))
+    return max(16, power_of_2_at_least(head_dim))
+
+
+def length_bucket(n):
+    """What the tuner keys a sequence length on: n rounded up to a power of two, at least 16, so
+    that a new prompt length tunes only where it starts a new bucket (FlashAttention's Triton
+    kernel keys on n // 32). The kernels get the exact lengths; only the tuner's key is bucketed."""
+    return max(16, power_of_2_at_least(n))
 
 
 def check_kernel_device(t):
@@ -108,10 +130,14 @@ def has_tma(device):
     return device.type == "cuda" and not ADA_PATH and torch.cuda.get_device_capability(device)[0] >= 9
 
 
+def tma_scratch(size, alignment, stream):
+    return torch.empty(size, dtype=torch.int8, device="cuda")
+
+
 def set_tma_scratch_allocator():
     """The kernels build TMA descriptors on the device, in a little global scratch memory Triton
-    asks for at each launch. Its allocator is a context variable, so set it per launch."""
-    triton.set_allocator(lambda size, alignment, stream: torch.empty(size, dtype=torch.int8, device="cuda"))
+    asks for at each launch (tma_scratch). Its allocator is a context variable, so set it per launch."""
+    triton.set_allocator(tma_scratch)
 
 
 @contextlib.contextmanager
@@ -237,8 +263,8 @@ def pruned_configs(table, smem_rows, named_args, kwargs):
                else candidates(table, named_args["Q"].device, kwargs["HEAD_DIM"]))
     if kwargs.get("DETERMINISTIC"):
         configs = [c for c in configs if not c.kwargs.get("ATOMIC_DQ")]
-    fitting = fitting_configs(configs, smem_rows, named_args["Q"], kwargs["HEAD_DIM"], named_args["N_Q"],
-                              named_args["N_K"])
+    fitting = fitting_configs(configs, smem_rows, named_args["Q"], kwargs["HEAD_DIM"], named_args["N_Q_BUCKET"],
+                              named_args["N_K_BUCKET"])
     if INTERPRETING:
         return [max(fitting, key=lambda c: (c.kwargs["BLOCK_M"] * c.kwargs["BLOCK_N"], c.kwargs.get("ATOMIC_DQ")))]
     if torch.cuda.is_current_stream_capturing():
@@ -248,7 +274,8 @@ def pruned_configs(table, smem_rows, named_args, kwargs):
 
 def autotuned(table, smem_rows, key, reset_to_zero=None):
     """triton.autotune over a table of configs (candidates()), keyed on key (argument names;
-    Triton adds the tensors' dtypes), pruned to the configs of the call's card path and head dim
+    Triton adds the tensors' dtypes), where the lengths are the kernel's N_Q_BUCKET and
+    N_K_BUCKET (length_bucket: every length of a bucket gets the same candidates and choice), pruned to the configs of the call's card path and head dim
     that fit (pruned_configs) and timed replayed from a CUDA graph, so the ranking is of the
     kernels' GPU time, not of their launches. The choice is cached on disk (Triton's cache dir),
     so a second process does not tune; kernel.best_config is the one the last call ran. Every

@@ -29,11 +29,15 @@ import triton
 import triton.language as tl
 
 from .hopper import backward as hopper_backward
-from .launch import (INTERPRETING, as_4d, autotuned, candidates, descriptor_ready, head_dim_block, heads_first,
-                     new_like, program_grid, set_tma_scratch_allocator)
+from .launch import (INTERPRETING, as_4d, autotuned, candidates, cdiv, descriptor_ready, head_dim_block,
+                     heads_first, kernels_may_load, length_bucket, new_like, program_grid, set_tma_scratch_allocator)
+from .launch_plan import Launch, plan_key, same_memory
 from .masks import key_tile_bounds_tl, query_tile_bounds_tl, visible_in_tile_tl, window_bounds
 from .triton_tiles import (LOG2_E, add_tile, head_matrix, load_tile, program_tile_and_head, query_tile_start,
                            store_tile)
+
+
+DELTA_BLOCK_M = 64  # the query rows of a delta program
 
 
 @triton.jit(do_not_specialize=["N_Q"])
@@ -177,13 +181,15 @@ BACKWARD_CONFIGS["hopper", 256] = [
 
 
 @autotuned(BACKWARD_CONFIGS, backward_smem_rows,
-           key=["N_Q", "N_K", "H", "GROUP", "left", "right", "HEAD_DIM", "DETERMINISTIC"], reset_to_zero=["DQ_ACC"])
+           key=["N_Q_BUCKET", "N_K_BUCKET", "H", "GROUP", "left", "right", "HEAD_DIM", "DETERMINISTIC"],
+           reset_to_zero=["DQ_ACC"])
 @triton.jit
 def _attn_bwd(Q, K, V, dO, dQ, dK, dV, LSE, DELTA, DQ_ACC,
               stride_qb, stride_qh, stride_qn, stride_kb, stride_kh, stride_kn,
               stride_vb, stride_vh, stride_vn, stride_dob, stride_doh, stride_don,
               stride_dqb, stride_dqh, stride_dqn, stride_dkb, stride_dkh, stride_dkn, stride_dvb, stride_dvh, stride_dvn,
               H, GROUP, N_Q, N_K, left, right, qk_scale, sm_scale,
+              N_Q_BUCKET, N_K_BUCKET,
               HEAD_DIM: tl.constexpr, BLOCK_D: tl.constexpr, HEADS_FIRST: tl.constexpr, DETERMINISTIC: tl.constexpr,
               BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr, DKDV_BLOCK_M: tl.constexpr, ATOMIC_DQ: tl.constexpr,
               USE_TMA: tl.constexpr):
@@ -192,7 +198,8 @@ def _attn_bwd(Q, K, V, dO, dQ, dK, dV, LSE, DELTA, DQ_ACC,
     jobs, the heads of one query tile side by side, so they read the same K and V tiles at about
     the same time). Key tiles have BLOCK_N rows in both jobs; query tiles BLOCK_M rows where a dQ
     program holds one, DKDV_BLOCK_M where a dK/dV program streams them. DQ_ACC: the atomic
-    schedule's float32 dQ accumulator, laid out as dQ (its strides)."""
+    schedule's float32 dQ accumulator, laid out as dQ (its strides). N_Q_BUCKET and N_K_BUCKET
+    are only the tuner's key (launch.length_bucket)."""
     tl.static_assert(not (ATOMIC_DQ and DETERMINISTIC), "the atomic schedule's dQ differs run to run")
     tile, b_kv, tiles = program_tile_and_head(HEADS_FIRST)
     b, kv_head = b_kv // (H // GROUP), b_kv % (H // GROUP)
@@ -250,27 +257,48 @@ def _attn_bwd(Q, K, V, dO, dQ, dK, dV, LSE, DELTA, DQ_ACC,
         store_tile(dq_head, start_m, dq * sm_scale, BLOCK_M, HEAD_DIM, BLOCK_D, USE_TMA)
 
 
+# flash_backward's launch plans (launch_plan.py): key -> (the gradients' shapes and strides,
+# the delta launch, the dQ/dK/dV launch).
+PLANS = {}
+
+
 def flash_backward(q, k, v, o, do, lse, is_causal=False, window_size=(-1, -1), config=None):
     """dq, dk, dv of O = attention(q, k, v) given do, for q, o, do (B, H, N_q, D), k, v
     (B, H_kv, N_k, D) (fewer dims are read as leading ones) and the forward's lse. Each gradient
     is laid out in its input's memory order and shaped (B, H, N, D). config: a triton.Config of
-    _attn_bwd's, to bypass the tuner and the Hopper kernel (tests, bench.py). Under
-    torch.use_deterministic_algorithms(True) only the split schedule runs: the same bits every run."""
+    _attn_bwd's, to bypass the tuner, the Hopper kernel and the plans (tests, bench.py). Under
+    torch.use_deterministic_algorithms(True) only the split schedule runs: the same bits every run.
+    A layout seen before launches from its plan; the rest of this function is what makes one."""
+    # Whether torch asks for determinism is in the key: it decides whether the Hopper kernel serves,
+    # and whether the atomic schedule may.
+    deterministic = torch.are_deterministic_algorithms_enabled()
+    key = plan_key((q, k, v, o, do, lse), is_causal, tuple(window_size), deterministic) if config is None else None
+    plan = PLANS.get(key)
+    if plan is not None:
+        layouts, acc_layout, delta_launch, launch, atomic_dq = plan
+        dq, dk, dv = (torch.empty_strided(shape, strides, dtype=q.dtype, device=q.device) for shape, strides in layouts)
+        dq_acc = torch.empty_strided(*acc_layout, dtype=torch.float32, device=q.device)
+        delta = torch.empty(layouts[0][0][:3], dtype=torch.float32, device=q.device)
+        set_tma_scratch_allocator()
+        delta_launch(o, do, delta, dq_acc)
+        launch(q, k, v, do, dq, dk, dv, lse, delta, dq_acc)
+        if atomic_dq:  # the convert pass: dQ's scale, dtype and layout
+            torch.mul(dq_acc, q.shape[-1] ** -0.5, out=dq)
+        return dq, dk, dv
     dq, dk, dv = (new_like(as_4d(t)) for t in (q, k, v))
-    q, k, v, o, do = (descriptor_ready(t) for t in (q, k, v, o, do))
-    B, H, N_Q, D = q.shape
-    H_KV, N_K = k.shape[1], k.shape[2]
-    lse = lse.reshape(B, H, N_Q).contiguous()
+    q4, k4, v4, o4, do4 = (descriptor_ready(t) for t in (q, k, v, o, do))
+    B, H, N_Q, D = q4.shape
+    H_KV, N_K = k4.shape[1], k4.shape[2]
+    lse4 = lse.reshape(B, H, N_Q).contiguous()
     if INTERPRETING and q.dtype == torch.bfloat16:  # as in flash_forward: the interpreter's bf16 dot is wrong
-        grads = flash_backward(q.float(), k.float(), v.float(), o.float(), do.float(), lse, is_causal, window_size,
-                               config)
+        grads = flash_backward(q4.float(), k4.float(), v4.float(), o4.float(), do4.float(), lse4, is_causal,
+                               window_size, config)
         return tuple(g.copy_(g32) for g, g32 in zip((dq, dk, dv), grads))
-    if q.numel() * N_K == 0:  # no query or no key: every gradient is zero
+    if q4.numel() * N_K == 0:  # no query or no key: every gradient is zero
         return dq.zero_(), dk.zero_(), dv.zero_()
     left, right = window_bounds(is_causal, window_size)
-    go_heads_first = heads_first(k, B * H)
-    deterministic = torch.are_deterministic_algorithms_enabled()
-    hopper = config is None and hopper_backward.serves(q, k, left, right)
+    go_heads_first = heads_first(k4, B * H)
+    hopper = config is None and hopper_backward.serves(q4, k4, left, right)
     # The atomic schedule's dQ accumulator, zeroed by the delta kernel, where that schedule may run
     # (elsewhere one element, never read, which the tuner's zeroing may clear).
     may_add = not hopper and (config.kwargs["ATOMIC_DQ"] if config is not None else not deterministic and any(
@@ -279,22 +307,34 @@ def flash_backward(q, k, v, o, do, lse, is_causal=False, window_size=(-1, -1), c
               else torch.empty(1, dtype=torch.float32, device=q.device))
     delta = torch.empty((B, H, N_Q), dtype=torch.float32, device=q.device)
     set_tma_scratch_allocator()
-    _attn_bwd_delta[program_grid(triton.cdiv(N_Q, 64), B * H, go_heads_first)](
-        o, do, delta, dq_acc, *o.stride()[:3], *do.stride()[:3], *dq.stride()[:3], H, N_Q,
-        HEAD_DIM=D, BLOCK_D=head_dim_block(D), HEADS_FIRST=go_heads_first, BLOCK_M=64, ZERO_DQ=may_add, num_warps=4)
+    delta_grid = program_grid(cdiv(N_Q, DELTA_BLOCK_M), B * H, go_heads_first)
+    delta_args = (o4, do4, delta, dq_acc, *o4.stride()[:3], *do4.stride()[:3], *dq.stride()[:3], H, N_Q)
+    delta_constexprs = dict(HEAD_DIM=D, BLOCK_D=head_dim_block(D), HEADS_FIRST=go_heads_first, BLOCK_M=DELTA_BLOCK_M,
+                            ZERO_DQ=may_add)
+    with kernels_may_load(q.device):
+        delta_compiled = _attn_bwd_delta[delta_grid](*delta_args, **delta_constexprs, num_warps=4)
     if hopper:
-        hopper_backward.launch(q, k, v, do, lse, delta, is_causal, dq, dk, dv)
+        with kernels_may_load(q.device):
+            hopper_backward.launch(q4, k4, v4, do4, lse4, delta, is_causal, dq, dk, dv)
         return dq, dk, dv
     group = H // H_KV
     # Per (batch, kv head): its key tiles, then, split, its GROUP heads' query tiles (see _attn_bwd).
-    dq_jobs = lambda meta: 0 if meta["ATOMIC_DQ"] else group * triton.cdiv(N_Q, meta["BLOCK_M"])
-    grid = lambda meta: program_grid(triton.cdiv(N_K, meta["BLOCK_N"]) + dq_jobs(meta), B * H_KV, go_heads_first)
+    dq_jobs = lambda meta: 0 if meta["ATOMIC_DQ"] else group * cdiv(N_Q, meta["BLOCK_M"])
+    grid = lambda meta: program_grid(cdiv(N_K, meta["BLOCK_N"]) + dq_jobs(meta), B * H_KV, go_heads_first)
     kernel, config_args = (_attn_bwd, {}) if config is None else (_attn_bwd.fn, config.all_kwargs())
-    kernel[grid](q, k, v, do, dq, dk, dv, lse, delta, dq_acc, *q.stride()[:3], *k.stride()[:3], *v.stride()[:3],
-                 *do.stride()[:3], *dq.stride()[:3], *dk.stride()[:3], *dv.stride()[:3],
-                 H, group, N_Q, N_K, left, right, D ** -0.5 * LOG2_E.value, D ** -0.5,
-                 HEAD_DIM=D, BLOCK_D=head_dim_block(D), HEADS_FIRST=go_heads_first, DETERMINISTIC=deterministic,
-                 **config_args)
-    if (config or _attn_bwd.best_config).kwargs["ATOMIC_DQ"]:  # the convert pass: dQ's scale, dtype and layout
+    args = (q4, k4, v4, do4, dq, dk, dv, lse4, delta, dq_acc, *q4.stride()[:3], *k4.stride()[:3], *v4.stride()[:3],
+            *do4.stride()[:3], *dq.stride()[:3], *dk.stride()[:3], *dv.stride()[:3],
+            H, group, N_Q, N_K, left, right, D ** -0.5 * LOG2_E.value, D ** -0.5,
+            length_bucket(N_Q), length_bucket(N_K))
+    constexprs = dict(HEAD_DIM=D, BLOCK_D=head_dim_block(D), HEADS_FIRST=go_heads_first, DETERMINISTIC=deterministic)
+    with kernels_may_load(q.device):
+        compiled = kernel[grid](*args, **constexprs, **config_args)
+    atomic_dq = (config or _attn_bwd.best_config).kwargs["ATOMIC_DQ"]
+    if atomic_dq:  # the convert pass: dQ's scale, dtype and layout
         torch.mul(dq_acc, D ** -0.5, out=dq)
+    if key is not None and compiled is not None and same_memory((q, k, v, o, do, lse), (q4, k4, v4, o4, do4, lse4)):
+        layouts = tuple((g.shape, g.stride()) for g in (dq, dk, dv))
+        PLANS[key] = (layouts, (dq_acc.shape, dq_acc.stride()),
+                      Launch(_attn_bwd_delta, delta_compiled, delta_grid, delta_args, delta_constexprs, n_tensors=4),
+                      Launch(kernel, compiled, grid, args, constexprs, n_tensors=10), atomic_dq)
     return dq, dk, dv

@@ -33,7 +33,7 @@ import torch
 import triton
 import triton.language as tl
 
-from .launch import INTERPRETING, check_kernel_device, head_dim_block, kernels_may_load
+from .launch import INTERPRETING, check_kernel_device, head_dim_block, kernels_may_load, power_of_2_at_least
 from .triton_forward import online_softmax_update
 from .triton_tiles import LN_2, LOG2_E
 
@@ -197,12 +197,12 @@ def split_kv_decode(q, k, v, k_cache, v_cache, pos, left, n_splits, block_n):
         q, k, v, k_cache, v_cache, o_split, lse_split, pos, q.stride(0), q.stride(1), k.stride(0), k.stride(1),
         v.stride(0), v.stride(1), *k_cache.stride()[:3], *v_cache.stride()[:3], *o_split.stride()[:3],
         *lse_split.stride(), H_kv, H // H_kv, S, split_rows(S, n_splits, block_n), left, D ** -0.5 * LOG2_E.value,
-        HEAD_DIM=D, BLOCK_D=block_d, BLOCK_G=max(16, triton.next_power_of_2(H // H_kv)), BLOCK_N=block_n,
+        HEAD_DIM=D, BLOCK_D=block_d, BLOCK_G=max(16, power_of_2_at_least(H // H_kv)), BLOCK_N=block_n,
         num_warps=DECODE_NUM_WARPS, num_stages=DECODE_NUM_STAGES)
     if n_splits > 1:
         _merge_splits[(B * H,)](o_split, lse_split, o, *o_split.stride()[:3], *lse_split.stride(), o.stride(0),
                                 o.stride(1), H, n_splits, HEAD_DIM=D, BLOCK_D=block_d,
-                                BLOCK_S=triton.next_power_of_2(n_splits), num_warps=DECODE_NUM_WARPS)
+                                BLOCK_S=power_of_2_at_least(n_splits), num_warps=DECODE_NUM_WARPS)
     return o
 
 

@@ -18,8 +18,9 @@ import triton
 import triton.language as tl
 
 from .hopper import forward as hopper_forward
-from .launch import (INTERPRETING, as_4d, autotuned, descriptor_ready, head_dim_block, heads_first, new_like,
-                     program_grid, set_tma_scratch_allocator)
+from .launch import (INTERPRETING, as_4d, autotuned, cdiv, check_kernel_device, descriptor_ready, head_dim_block,
+                     heads_first, kernels_may_load, length_bucket, new_like, program_grid, set_tma_scratch_allocator)
+from .launch_plan import Launch, plan_key, same_memory
 from .masks import key_tile_bounds_tl, visible_in_tile_tl, window_bounds
 from .triton_tiles import LN_2, LOG2_E, head_matrix, load_tile, program_tile_and_head, query_tile_start, store_tile
 
@@ -111,15 +112,16 @@ FORWARD_CONFIGS["hopper", 256] = [
 ]
 
 
-@autotuned(FORWARD_CONFIGS, forward_smem_rows, key=["N_Q", "N_K", "H", "left", "right", "HEAD_DIM"])
+@autotuned(FORWARD_CONFIGS, forward_smem_rows, key=["N_Q_BUCKET", "N_K_BUCKET", "H", "left", "right", "HEAD_DIM"])
 @triton.jit(do_not_specialize=["N_Q", "N_K"])
 def _attn_fwd(Q, K, V, O, LSE,
               stride_qb, stride_qh, stride_qn, stride_kb, stride_kh, stride_kn,
               stride_vb, stride_vh, stride_vn, stride_ob, stride_oh, stride_on,
-              H, GROUP, N_Q, N_K, left, right, qk_scale,
+              H, GROUP, N_Q, N_K, left, right, qk_scale, N_Q_BUCKET, N_K_BUCKET,
               HEAD_DIM: tl.constexpr, BLOCK_D: tl.constexpr, HEADS_FIRST: tl.constexpr,
               BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr, USE_TMA: tl.constexpr):
-    """One program: the query tile from start_m of (batch b, head h), against kv head h // GROUP."""
+    """One program: the query tile from start_m of (batch b, head h), against kv head h // GROUP.
+    N_Q_BUCKET and N_K_BUCKET are only the tuner's key (launch.length_bucket)."""
     tile, bh, tiles = program_tile_and_head(HEADS_FIRST)
     start_m = query_tile_start(tile, tiles, BLOCK_M)
     b, h = bh // H, bh % H
@@ -146,32 +148,54 @@ def _attn_fwd(Q, K, V, O, LSE,
     tl.store(LSE + bh * N_Q + rows, lse, mask=rows < N_Q)
 
 
+# flash_forward's launch plans (launch_plan.py): key -> (O's shape, O's strides, the launch).
+PLANS = {}
+
+
 def flash_forward(q, k, v, is_causal=False, window_size=(-1, -1), config=None):
     """O and lse of attention over q (B, H, N_q, D) and k, v (B, H_kv, N_k, D) (fewer dims are
     read as leading ones), any strides with unit stride along D. O comes back laid out in q's
     memory order (launch.new_like) and shaped (B, H, N_q, D); lse (B, H, N_q) float32. config: a
-    triton.Config of _attn_fwd's, to bypass the tuner and the Hopper kernel (tests, bench.py)."""
+    triton.Config of _attn_fwd's, to bypass the tuner, the Hopper kernel and the plans (tests,
+    bench.py). A layout seen before launches from its plan; the rest of this function is what
+    makes one."""
+    check_kernel_device(q)
+    key = plan_key((q, k, v), is_causal, tuple(window_size)) if config is None else None
+    plan = PLANS.get(key)
+    if plan is not None:
+        o_shape, o_strides, launch = plan
+        o = torch.empty_strided(o_shape, o_strides, dtype=q.dtype, device=q.device)
+        lse = torch.empty(o_shape[:3], dtype=torch.float32, device=q.device)
+        set_tma_scratch_allocator()
+        launch(q, k, v, o, lse)
+        return o, lse
     o = new_like(as_4d(q))
-    q, k, v = (descriptor_ready(t) for t in (q, k, v))
-    B, H, N_Q, D = q.shape
-    N_K = k.shape[2]
+    q4, k4, v4 = (descriptor_ready(t) for t in (q, k, v))
+    B, H, N_Q, D = q4.shape
+    N_K = k4.shape[2]
     lse = torch.empty((B, H, N_Q), dtype=torch.float32, device=q.device)
     if INTERPRETING and q.dtype == torch.bfloat16:
         # The interpreter's tl.dot is wrong on bfloat16 (numpy has no bf16): on the CPU, bf16 runs
         # in float32 and O is rounded to bf16 at the end.
-        o32, lse = flash_forward(q.float(), k.float(), v.float(), is_causal, window_size, config)
+        o32, lse = flash_forward(q4.float(), k4.float(), v4.float(), is_causal, window_size, config)
         return o.copy_(o32), lse
     if N_K == 0 or o.numel() == 0:  # no key to attend to: O = 0, lse = -inf
         return o.zero_(), lse.fill_(float("-inf"))
     left, right = window_bounds(is_causal, window_size)
-    if config is None and hopper_forward.serves(q, k, left, right):
-        hopper_forward.launch(q, k, v, o, lse, is_causal)
-        return o, lse
-    go_heads_first = heads_first(k, B * H)
-    grid = lambda meta: program_grid(triton.cdiv(N_Q, meta["BLOCK_M"]), B * H, go_heads_first)
-    kernel, config_args = (_attn_fwd, {}) if config is None else (_attn_fwd.fn, config.all_kwargs())
     set_tma_scratch_allocator()
-    kernel[grid](q, k, v, o, lse, *q.stride()[:3], *k.stride()[:3], *v.stride()[:3], *o.stride()[:3],
-                 H, H // k.shape[1], N_Q, N_K, left, right, D ** -0.5 * LOG2_E.value,
-                 HEAD_DIM=D, BLOCK_D=head_dim_block(D), HEADS_FIRST=go_heads_first, **config_args)
+    if config is None and hopper_forward.serves(q4, k4, left, right):
+        with kernels_may_load(q.device):
+            hopper_forward.launch(q4, k4, v4, o, lse, is_causal)
+        return o, lse
+    go_heads_first = heads_first(k4, B * H)
+    grid = lambda meta: program_grid(cdiv(N_Q, meta["BLOCK_M"]), B * H, go_heads_first)
+    kernel, config_args = (_attn_fwd, {}) if config is None else (_attn_fwd.fn, config.all_kwargs())
+    args = (q4, k4, v4, o, lse, *q4.stride()[:3], *k4.stride()[:3], *v4.stride()[:3], *o.stride()[:3],
+            H, H // k4.shape[1], N_Q, N_K, left, right, D ** -0.5 * LOG2_E.value,
+            length_bucket(N_Q), length_bucket(N_K))
+    constexprs = dict(HEAD_DIM=D, BLOCK_D=head_dim_block(D), HEADS_FIRST=go_heads_first)
+    with kernels_may_load(q.device):
+        compiled = kernel[grid](*args, **constexprs, **config_args)
+    if key is not None and compiled is not None and same_memory((q, k, v), (q4, k4, v4)):
+        PLANS[key] = (o.shape, o.stride(), Launch(kernel, compiled, grid, args, constexprs, n_tensors=5))
     return o, lse

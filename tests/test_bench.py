@@ -1,12 +1,17 @@
 """bench.py on the CPU, its GPU work replaced by recorders: each rung of the ladder launches its
 own tile config (a closure reading the loop variable late would time the last one at every
-rung), and every TFLOP/s figure is printed beside the fraction of the card's peak it reached."""
+rung), every TFLOP/s figure is printed beside the fraction of the card's peak it reached, each
+row of the host mode runs the backend it names, and the host mode runs without a GPU."""
+import json
 import re
 import sys
 from unittest import mock
 
 import pytest
 import torch
+
+from attention import BACKENDS
+from conftest import run_script
 
 
 @pytest.fixture(scope="module")
@@ -118,3 +123,74 @@ def test_bench_refuses_a_bad_setting_before_torch_loads(args, message, tmp_path)
     status, stderr, torch_loaded = exit_before_torch("bench.py", "--mode=step", *args)
     assert (status, torch_loaded) == (2, False)
     assert stderr == f"config error: {message.replace('FILE', str(tmp_path / 'FILE'))}\n"
+
+
+
+class Spy(torch.autograd.Function):
+    """The identity on q, recording which backend's forward and backward ran."""
+
+    @staticmethod
+    def forward(ctx, q, k, v, name, ran):
+        ctx.name, ctx.ran = name, ran
+        ran.append(("forward", name))
+        return q.clone()
+
+    @staticmethod
+    def backward(ctx, do):
+        ctx.ran.append(("backward", ctx.name))
+        return do, torch.zeros_like(do), torch.zeros_like(do), None, None
+
+
+def test_each_host_row_runs_the_backend_it_names(bench, monkeypatch):
+    """Every backend's function, and torch's sdpa, replaced by a spy: each row of the host mode
+    runs its own forward, and with fwd+bwd its own backward, and nothing else."""
+    import attention
+    ran = []
+    for name, (_, decode) in attention._FUNCTIONS.items():
+        monkeypatch.setitem(attention._FUNCTIONS, name,
+                            (lambda q, k, v, is_causal, window, name=name: Spy.apply(q, k, v, name, ran), decode))
+    monkeypatch.setattr(bench.F, "scaled_dot_product_attention",
+                        lambda q, k, v, is_causal: Spy.apply(q, k, v, bench.TORCH_SDPA, ran))
+    tiny = bench.HOST_TINY_SHAPE
+    cases = bench.host_cases(tiny, tiny, "cpu", stand_in=True)
+    assert sorted(cases) == sorted((name, mode) for name in (*bench.BACKENDS, bench.TORCH_SDPA)
+                                   for mode in ("fwd", "fwd+bwd"))
+    for (name, mode), (_, call) in cases.items():
+        ran.clear()
+        call()
+        assert ran == [("forward", name)] + ([("backward", name)] if mode == "fwd+bwd" else []), (name, mode)
+
+
+def test_without_a_gpu_only_the_triton_kernels_launches_run_at_the_models_shape(bench):
+    """With the stand-in driver the Triton kernels cost nothing, torch's kernels their CPU math:
+    those rows take tiny tensors (triton_fwd's backward is torch's)."""
+    cases = bench.host_cases(bench.HOST_SHAPE, bench.HOST_TINY_SHAPE, "cpu", stand_in=True)
+    at_the_models_shape = {key for key, (shape, _) in cases.items() if shape is bench.HOST_SHAPE}
+    assert at_the_models_shape == {("triton", "fwd"), ("triton", "fwd+bwd"), ("triton_fwd", "fwd")}
+    on_a_gpu = bench.host_cases(bench.HOST_SHAPE, bench.HOST_TINY_SHAPE, "cpu", stand_in=False)
+    assert all(shape is bench.HOST_SHAPE for shape, _ in on_a_gpu.values())
+
+
+def test_the_host_mode_runs_without_a_gpu(tmp_path):
+    """bench.py --mode=host on the CPU: Triton's launch path with the stand-in driver
+    (training/host_cost.py), every row timed and written."""
+    result = run_script("bench.py", "--mode=host", "--host_rounds=1", f"--out={tmp_path}", timeout=600)
+    assert result.returncode == 0, result.stderr[-3000:]
+    rows = json.loads((tmp_path / "host.json").read_text())["results"]["rows"]
+    assert {(r["backend"], r["mode"]) for r in rows} == {
+        (name, mode) for name in (*BACKENDS, "F.scaled_dot_product_attention") for mode in ("fwd", "fwd+bwd")}
+    assert all(r["us"] > 0 for r in rows) and "stand-in CUDA driver" in (tmp_path / "host.md").read_text()
+
+
+def test_the_step_summary_gives_each_mode_a_column_and_each_wall_time_as_a_multiple_of_sdpas(bench):
+    """bench.py --mode=step's summary: the wall ms a step of each backend in each compile mode,
+    beside its multiple of sdpa's in the same mode (what the step's targets are stated in)."""
+    results = {f"{backend} {mode} T=512": dict(wall_ms=wall, gpu_ms=gpu, wall_ms_iqr=(wall, wall), peak_mb=1.0)
+               for backend, walls, gpu in (("sdpa", (29.4, 19.6, 5.43), 5.0), ("triton", (32.0, 21.0, 4.96), 4.0))
+               for mode, wall in zip(("none", "default", "default+graph"), walls)}
+    results["eager none T=512"] = dict(status="out of memory")
+    summary = bench.step_summary(results)
+    assert "| backend | uncompiled | compiled (default) | compiled (default) + CUDA graph |" in summary
+    assert ("| triton | 32.00 (1.09x sdpa), GPU 4.00 | 21.00 (1.07x sdpa), GPU 4.00 | 4.96 (0.91x sdpa), GPU 4.00 |"
+            in summary)
+    assert "| eager | out of memory | not run | not run |" in summary

@@ -117,8 +117,9 @@ def test_gpu_attention_captured_at_a_new_shape_replays_the_right_output(window_s
     ("sdpa", ["--dropout=0.2"]),  # each replay draws new dropout masks, as the plain run does
 ])
 def test_gpu_cuda_graph_trains_like_the_plain_run(attn, extra, tiny_args, tmp_path):
-    """train.py --cuda_graph=True with accumulation and evaluation: step 1 runs uncaptured, step
-    2 is captured and replayed, the rest replay; every step's loss is the plain run's."""
+    """train.py --cuda_graph=True with accumulation and evaluation: step 1 runs uncaptured (the
+    capture's warm-up) and the graph is captured after it, the rest replay; every step's loss is
+    the plain run's."""
     args = [*tiny_args, "--device=cuda", "--dtype=float32", f"--attn={attn}", "--gradient_accumulation_steps=2",
             "--max_iters=6", "--eval_interval=3", "--log_interval=1", *extra]
     losses, val_losses = [], []

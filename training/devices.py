@@ -15,6 +15,7 @@ from collections import namedtuple
 import torch
 import torch.distributed as dist
 
+from attention.cuda_graph import capture_graph
 from training.config import ConfigError
 
 # Each card's dense (no sparsity) 16-bit tensor-core peak with float32 accumulation, as the
@@ -244,30 +245,24 @@ class StepGraph:
     """A step's forward and backward as one CUDA graph (train.py's cuda_graph), so that the host
     issuing hundreds of small kernels one by one no longer sets the pace. forward_backward(batches)
     returns the loss sum and leaves the gradients in .grad (zeroed in place); the optimizer stays
-    outside. The first call runs uncaptured on a side stream (it compiles and tunes), the second
-    captures, later ones copy their batches into the captured ones and replay."""
+    outside. The first call is the warm-up of attention.cuda_graph.capture_graph (it compiles and
+    tunes), uncaptured, and returns its own result; the graph is recorded after it, on copies of
+    its batches. Later calls copy their batches into those and replay."""
 
     def __init__(self, forward_backward):
         self.forward_backward = forward_backward
-        self.warmed_up, self.graph, self.static_batches, self.static_loss_sum = False, None, None, None
+        self.graph, self.static_batches, self.static_loss_sum = None, None, None
 
     def __call__(self, batches):
-        if not self.warmed_up:
-            side_stream = torch.cuda.Stream()
-            side_stream.wait_stream(torch.cuda.current_stream())
-            with torch.cuda.stream(side_stream):
-                loss_sum = self.forward_backward(batches)
-            torch.cuda.current_stream().wait_stream(side_stream)
-            self.warmed_up = True
-            return loss_sum
         if self.graph is None:
             self.static_batches = [tuple(t.clone() for t in batch) for batch in batches]
-            self.graph = torch.cuda.CUDAGraph()
-            with torch.cuda.graph(self.graph):
-                self.static_loss_sum = self.forward_backward(self.static_batches)
-        else:
-            for static_batch, batch in zip(self.static_batches, batches, strict=True):
-                for static, new in zip(static_batch, batch, strict=True):
-                    static.copy_(new)
+            warm_up_loss_sum = []
+            self.graph, self.static_loss_sum = capture_graph(
+                lambda: self.forward_backward(self.static_batches),
+                warm_up=lambda: warm_up_loss_sum.append(self.forward_backward(batches)))
+            return warm_up_loss_sum[0]
+        for static_batch, batch in zip(self.static_batches, batches, strict=True):
+            for static, new in zip(static_batch, batch, strict=True):
+                static.copy_(new)
         self.graph.replay()
         return self.static_loss_sum

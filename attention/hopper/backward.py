@@ -30,7 +30,6 @@ torch.use_deterministic_algorithms keeps the split. flash_backward sends a call 
 serves() says so: where this kernel measured faster than the split (docs/optimisation.md).
 """
 import torch
-import triton
 from triton._C.libtriton import ir
 from triton.experimental import gluon
 from triton.experimental.gluon import language as gl
@@ -38,7 +37,7 @@ from triton.experimental.gluon.language._core import builtin
 from triton.experimental.gluon.language.nvidia.hopper import (fence_async_shared, mbarrier, tma, warpgroup_mma,
                                                              warpgroup_mma_wait)
 
-from ..launch import GRID_Y_LIMIT, set_tma_scratch_allocator
+from ..launch import GRID_Y_LIMIT, cdiv, set_tma_scratch_allocator
 from ..masks import query_tile_counts_gl
 from ..triton_tiles import LOG2_E
 from .common import hopper_entry, load_into_ring, ring_slot, tensor_matrices, tma_load, tma_store
@@ -310,7 +309,7 @@ def launch(q, k, v, do, lse, delta, is_causal, dq, dk, dv):
     tiles = TILES[D, is_causal]
     dq_sum = torch.zeros(q.shape, dtype=torch.float32, device=q.device)
     set_tma_scratch_allocator()
-    grid = (triton.cdiv(N_K, 2 * tiles["BLOCK_N"]), B * H)
+    grid = (cdiv(N_K, 2 * tiles["BLOCK_N"]), B * H)
     sm_scale = D ** -0.5
     _attn_bwd_warp_specialized[grid](q, k, v, do, dk, dv, lse, delta, dq_sum, *q.stride()[:3], *k.stride()[:3],
                                      *v.stride()[:3], *do.stride()[:3], *dk.stride()[:3], *dv.stride()[:3],

@@ -23,13 +23,12 @@ flash_forward sends a call here when serves() says so: where this kernel measure
 triton_forward.py's on the H200 (docs/optimisation.md). It computes what _attn_fwd computes:
 O, and the logsumexp lse that the backward reads.
 """
-import triton
 from triton.experimental import gluon
 from triton.experimental.gluon import language as gl
 from triton.experimental.gluon.language.nvidia.hopper import (fence_async_shared, mbarrier, tma, warpgroup_mma,
                                                              warpgroup_mma_wait)
 
-from ..launch import set_tma_scratch_allocator
+from ..launch import cdiv, set_tma_scratch_allocator
 from ..masks import key_tile_counts_gl, visible_in_tile_gl
 from ..triton_tiles import LN_2, LOG2_E
 from .common import hopper_entry, load_into_ring, ring_slot, sm_count, tensor_matrices, tma_load, tma_store
@@ -303,7 +302,7 @@ def launch(q, k, v, o, lse, is_causal):
     B, H, N_Q, D = q.shape
     tiles = TILES[D, is_causal]
     set_tma_scratch_allocator()
-    units = B * H * triton.cdiv(triton.cdiv(N_Q, 2 * tiles["BLOCK_M"]), 2)
+    units = B * H * cdiv(cdiv(N_Q, 2 * tiles["BLOCK_M"]), 2)
     grid = (min(units, sm_count(q.device)),)
     _attn_fwd_warp_specialized[grid](q, k, v, o, lse, *q.stride()[:3], *k.stride()[:3], *v.stride()[:3],
                                      *o.stride()[:3], B, H, N_Q, k.shape[2], D ** -0.5 * LOG2_E.value,
