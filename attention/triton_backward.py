@@ -212,7 +212,7 @@ def flash_backward(q, k, v, o, do, lse, is_causal=False, window_size=(-1, -1), c
         o, do, delta, *o.stride()[:3], *do.stride()[:3], H, N_Q,
         HEAD_DIM=D, BLOCK_D=head_dim_block(D), HEADS_FIRST=go_heads_first, BLOCK_M=64, num_warps=4)
     if config is None and hopper_backward.serves(q, k, left, right):
-        hopper_backward.launch(q, k, v, do, lse, delta, is_causal, dq, dk, dv)
+        hopper_backward.launch(q, k, v, do, lse, delta, left, right, dq, dk, dv)
         return dq, dk, dv
     group = H // H_KV
     # Per (batch, kv head): its key tiles, then its GROUP heads' query tiles (see _attn_bwd).

@@ -136,7 +136,7 @@ def flash_forward(q, k, v, is_causal=False, window_size=(-1, -1), config=None):
         return o.zero_(), lse.fill_(float("-inf"))
     left, right = window_bounds(is_causal, window_size)
     if config is None and hopper_forward.serves(q, k, left, right):
-        hopper_forward.launch(q, k, v, o, lse, is_causal)
+        hopper_forward.launch(q, k, v, o, lse, left, right)
         return o, lse
     go_heads_first = heads_first(k, B * H)
     grid = lambda meta: program_grid(triton.cdiv(N_Q, meta["BLOCK_M"]), B * H, go_heads_first)
