@@ -70,3 +70,59 @@ def test_the_decode_table_gives_the_fraction_of_the_cards_bandwidth(bench, monke
     assert "| 8 x 16/4 x 4,096 x 64 | 34 MB | 7 | 133 | 50% | 266 | 25% |" in bench.decode_table(rows)
     monkeypatch.setattr(bench, "this_card", lambda: None)
     assert "| 133 | ? | 266 | ? |" in bench.decode_table(rows)
+
+
+class Recorded(torch.autograd.Function):
+    """A provider's attention on the CPU that says when its forward and its backward run."""
+    calls = []
+
+    @staticmethod
+    def forward(ctx, q, k, v):
+        Recorded.calls.append("forward")
+        return q * k + v
+
+    @staticmethod
+    def backward(ctx, do):
+        Recorded.calls.append("backward")
+        return do, do, do
+
+
+def timer(kind, ms, timed):
+    """Stands in for one of do_bench (kind "wall") and replayed_ms ("gpu"): runs the call once,
+    records what it ran, and reports ms."""
+    def time(fn, **kwargs):
+        Recorded.calls.clear()
+        fn()
+        timed.append((kind, tuple(Recorded.calls)))
+        return ms
+    return time
+
+
+@pytest.mark.parametrize("wall_ms, host_bound", [(0.5, True), (0.21, False)])
+def test_the_grid_reports_gpu_time_and_flags_a_host_bound_row(bench, monkeypatch, capsys, wall_ms, host_bound):
+    """Every grid TFLOP/s is of the GPU time (replayed from a CUDA graph), never of the wall time;
+    a cell whose wall time is HOST_BOUND times its GPU time or more is flagged host-bound, in its
+    row and its printed line; and each timer times the mode its label says: the forward alone,
+    the backward alone (on a kept graph), or both, of the provider named."""
+    def inputs(shape, requires_grad):
+        qkv = torch.randn(1, 8, 3, 4, requires_grad=requires_grad)
+        return qkv, *qkv.transpose(1, 2).split([1, 1, 1], dim=1)
+    timed = []
+    monkeypatch.setattr(bench, "make_inputs", inputs)
+    monkeypatch.setattr(bench, "run_provider", lambda name, q, k, v, causal: Recorded.calls.append(name)
+                        or Recorded.apply(q, k, v))
+    monkeypatch.setattr(bench.triton.testing, "do_bench", timer("wall", wall_ms, timed))
+    graphed = timer("gpu", 0.2, timed)
+    monkeypatch.setattr(bench, "replayed_ms", lambda fn, stream, rep_ms: graphed(fn))
+    monkeypatch.setattr(bench.torch.cuda, "Stream", lambda: None)  # torch.cuda.stream(None) changes nothing
+    monkeypatch.setattr(bench, "this_card", lambda: bench.CARDS["NVIDIA H100 80GB HBM3"])
+    shape = dict(B=4, H=16, N=4096, D=64, causal=True, dtype="float32")
+    row, = bench.bench_grid("paper", [shape], ["sdpa_cudnn"])
+    ran = {"fwd": ("sdpa_cudnn", "forward"), "bwd": ("backward",), "fwd+bwd": ("sdpa_cudnn", "forward", "backward")}
+    assert timed == [(kind, ran[mode]) for mode in bench.MODES for kind in ("wall", "gpu")]
+    for mode in bench.MODES:
+        assert row[mode] == dict(ms=0.2, tflops=bench.flops(shape, mode) / 0.2 / 1e9, wall_ms=wall_ms,
+                                 host_bound=host_bound)
+    line = capsys.readouterr().out.splitlines()[-1]
+    assert line.startswith("N=4096   D=64   causal sdpa_cudnn      fwd  687.2 ( 69% of peak)")  # 0.2 ms, not wall_ms
+    assert line.count(f"[host-bound: wall {wall_ms:.3f} ms, GPU 0.200]") == (3 if host_bound else 0), line
