@@ -239,9 +239,10 @@ def bench_grid(grid, shapes, providers):
                 row["status"] = "unsupported: " + str(e).splitlines()[0][:80]
             torch.cuda.empty_cache()
             rows.append(row)
+            host_bound = lambda m: (f" [host-bound: wall {row[m]['wall_ms']:.3f} ms, GPU {row[m]['ms']:.3f}]"
+                                    if row[m]["host_bound"] else "")
             perf = "  ".join(f"{m} {row[m]['tflops']:6.1f} ({tflops_of_peak(row[m]['tflops']):>4} of peak)"
-                             + (f" [host-bound: wall {row[m]['wall_ms']:.3f} ms, GPU {row[m]['ms']:.3f}]"
-                                if row[m]["host_bound"] else "") for m in MODES) if row["status"] == "ok" else row["status"]
+                             + host_bound(m) for m in MODES) if row["status"] == "ok" else row["status"]
             print(f"N={shape['N']:<6} D={shape['D']:<4} {'causal' if shape['causal'] else 'full  '} {name:<15} {perf}",
                   flush=True)
     return rows

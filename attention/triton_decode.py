@@ -55,7 +55,8 @@ def _merge_splits(O, O_SPLIT, LSE_SPLIT, heads, in_group, dims, in_head, stride_
     splits = tl.arange(0, BLOCK_S)
     out_mask = in_group[:, None] & in_head[None, :]
     lse_split = tl.load(LSE_SPLIT + heads[:, None] * stride_lsh + splits[None, :] * stride_lss,
-                        mask=in_group[:, None] & (splits < N_SPLITS)[None, :], other=float("-inf"), cache_modifier=".cg")
+                        mask=in_group[:, None] & (splits < N_SPLITS)[None, :], other=float("-inf"),
+                        cache_modifier=".cg")
     lse_split = tl.where(in_group[:, None], lse_split, 0.0)  # padding rows: weights of 1 on zeros, never stored
     lse_max = tl.max(lse_split, 1)  # finite: the split holding row pos saw the token's key
     weights = tl.exp2((lse_split - lse_max[:, None]) * LOG2_E)  # (BLOCK_G, BLOCK_S); splits past N_SPLITS: 0

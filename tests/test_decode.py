@@ -388,7 +388,8 @@ def test_the_split_count_the_host_picks_is_what_the_kernel_and_its_twin_run(monk
     kernel = Launches(triton_decode._decode_split)
     monkeypatch.setattr(triton_decode, "_decode_split", kernel)
     twin = []
-    monkeypatch.setattr(decode, "tiled_decode_splits", lambda *args: twin.append(args[-2:]) or tiled_decode_splits(*args))
+    monkeypatch.setattr(decode, "tiled_decode_splits",
+                        lambda *args: twin.append(args[-2:]) or tiled_decode_splits(*args))
     q, k, v, k_cache, v_cache = decode_inputs(1, 4, 2, S, 16)
     assert triton_decode.split_plan(k_cache) == (splits, 256)
     o_expected, _, _ = expected(q, k, v, k_cache, v_cache, S - 3, -1)

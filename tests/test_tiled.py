@@ -206,7 +206,8 @@ def test_the_gluon_kernels_visit_each_tile_of_the_run_once(numbers, group):
     masked = [j for j in range(first, last) if not full_first <= j < full_last]
     assert [forward.key_tile_visited.fn(t, numbers) for t in range(last - first)] == full + masked
     masked_desc = sorted(masked, reverse=True)  # the left edge's [full_last, last), then the diagonal's
-    expected = [(g, m) for g in range(group) for m in reversed(full)] + [(g, m) for g in range(group) for m in masked_desc]
+    expected = ([(g, m) for g in range(group) for m in reversed(full)]
+                + [(g, m) for g in range(group) for m in masked_desc])
     visits = [backward.query_tile_visited.fn(u, numbers, group) for u in range(group * (last - first))]
     assert visits == expected
 
