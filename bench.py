@@ -15,9 +15,13 @@ process on one CUDA card (the host mode on any machine).
 
 The grids are the FlashAttention-2 paper's (16k tokens a batch, hidden 2048, N from 512 to 16k,
 head dims 64 and 128, causal and not) and a long-context one, q, k, v being views of one fused
-projection as in the model. After each shape a line gives triton's ratios to FA2 and cuDNN
+projection as in the model. Each cell is timed twice: its GPU time, replayed from a CUDA graph
+(replayed_ms: the host's launches out of it), which every ms and TFLOP/s is of, with its spread
+(the 20th and 80th percentiles of the replays), and its wall time called eagerly (do_bench); a
+row whose wall time exceeds its GPU time by HOST_BOUND is marked host-bound, the host and not
+the kernels setting its speed. After each shape a line gives triton's ratios to FA2 and cuDNN
 (their time over triton's) and the configs the tuner chose (launch.config_name), which the
-tables name too. triton.testing.do_bench gives the median ms; TFLOP/s count
+tables name too. TFLOP/s count
 4 * B * H * N^2 * D for the forward (half when causal), 2.5 times that for the backward, each
 printed beside the fraction of the card's dense 16-bit tensor-core peak it reached (CARDS). The
 step mode times train.py's step (training/step.py), the backends in turns, as the host drifts over
@@ -25,13 +29,13 @@ minutes: GPU time judges the kernels, wall time the host. At each block size the
 the default run's tokens per micro-batch; a backend out of memory is not run at longer ones.
 The decode mode times decode_attention alone, one new token against a full cache (triton, sdpa,
 and sdpa over the whole cache with no mask, exact there; triton at other split counts too),
-replayed from a CUDA graph as sample.py runs it, and divides the K and V bytes read by the time
-and by the card's memory bandwidth. The host mode times the CPU time one attention call takes, at the
-default model's shape, forward and forward+backward, per backend and for torch's
-scaled_dot_product_attention itself; without a GPU through a stand-in CUDA driver
-(training/host_cost.py says how). Writes JSON and markdown (and a plot of each grid)
-to --out. Whole-model decoding: sample.py --benchmark=True. --impl=mine (bench_mine) prints a table
-of its own and writes nothing.
+replayed from a CUDA graph as sample.py runs it, each after an L2 flush that leaves only clean
+lines (clean_l2_us), and divides the K and V bytes read by the time and by the card's memory
+bandwidth. The host mode times the CPU time one attention call takes, at the default model's
+shape, forward and forward+backward, per backend and for torch's scaled_dot_product_attention
+itself; without a GPU through a stand-in CUDA driver (training/host_cost.py says how). Writes
+JSON and markdown (and a plot of each grid) to --out. Whole-model decoding: sample.py
+--benchmark=True. --impl=mine (bench_mine) prints a table of its own and writes nothing.
 """
 import functools
 import json
@@ -187,20 +191,61 @@ def flops(shape, mode):
     return {"fwd": fwd, "bwd": 2.5 * fwd, "fwd+bwd": 3.5 * fwd}[mode]
 
 
+# A grid cell whose wall time is this many times its GPU time or more is host-bound: the host's
+# work for a call (checks, dispatch, autograd) outlasts the kernels it launches.
+HOST_BOUND = 1.25
+
+
+def replayed_ms(fn, stream, rep_ms):
+    """GPU ms of a call of fn: triton.testing.do_bench_cudagraph's method (the calls of about
+    rep_ms captured back to back in one CUDA graph, so that no host work lies between them; the
+    median over 10 replays of a replay's time over its calls, and their 20th and 80th
+    percentiles), captured on `stream`, the one the
+    caller made its inputs on: autograd runs a backward's kernels on its forward's stream, which
+    must be the capturing one."""
+    start, end = torch.cuda.Event(enable_timing=True), torch.cuda.Event(enable_timing=True)
+    with torch.cuda.stream(stream):
+        fn()
+        start.record()
+        for _ in range(5):
+            fn()
+        end.record()
+        torch.cuda.synchronize()
+        calls = max(1, int(rep_ms / max(start.elapsed_time(end) / 5, 1e-3)))
+        graph = torch.cuda.CUDAGraph()
+        with torch.cuda.graph(graph, stream=stream):
+            for _ in range(calls):
+                fn()
+        times = []
+        for _ in range(10):
+            start.record()
+            graph.replay()
+            end.record()
+            torch.cuda.synchronize()
+            times.append(start.elapsed_time(end) / calls)
+    quintiles = statistics.quantiles(times, n=5)
+    return statistics.median(times), (quintiles[0], quintiles[-1])
+
+
 def time_mode(name, shape, mode):
-    """Median ms of one mode and its spread (the 20th and 80th percentiles); raises where the
-    provider does not take the shape."""
-    qkv, q, k, v = make_inputs(shape, requires_grad=mode != "fwd")
-    if mode == "fwd":
-        fn = lambda: run_provider(name, q, k, v, shape["causal"])
-    else:
-        do = torch.randn(q.shape, device="cuda", dtype=q.dtype)
-        o = run_provider(name, q, k, v, shape["causal"])
-        fn = (lambda: torch.autograd.grad(o, qkv, do, retain_graph=True)) if mode == "bwd" else \
-             (lambda: torch.autograd.grad(run_provider(name, q, k, v, shape["causal"]), qkv, do))
-    median, low, high = triton.testing.do_bench(fn, warmup=max(config.rep_ms // 4, 5), rep=config.rep_ms,
-                                                quantiles=(0.5, 0.2, 0.8))
-    return median, (low, high)
+    """Median ms of one mode, (GPU, its spread, wall): replayed from a CUDA graph (replayed_ms), and called
+    eagerly (do_bench, which clears the L2 before each call); raises where the provider does not
+    take the shape. Inputs, the kept forward of the bwd mode and both timings are on one side
+    stream, the capture's (the legacy default stream cannot be captured). The eager timing runs
+    first: it also warms up (compiles, tunes) before the capture."""
+    stream = torch.cuda.Stream()
+    with torch.cuda.stream(stream):
+        qkv, q, k, v = make_inputs(shape, requires_grad=mode != "fwd")
+        if mode == "fwd":
+            fn = lambda: run_provider(name, q, k, v, shape["causal"])
+        else:
+            do = torch.randn(q.shape, device=q.device, dtype=q.dtype)
+            o = run_provider(name, q, k, v, shape["causal"])
+            fn = (lambda: torch.autograd.grad(o, qkv, do, retain_graph=True)) if mode == "bwd" else \
+                 (lambda: torch.autograd.grad(run_provider(name, q, k, v, shape["causal"]), qkv, do))
+        wall = triton.testing.do_bench(fn, warmup=max(config.rep_ms // 4, 5), rep=config.rep_ms,
+                                       return_mode="median")
+    return (*replayed_ms(fn, stream, config.rep_ms), wall)
 
 
 def tuner_choice(shape):
@@ -237,8 +282,9 @@ def bench_grid(grid, shapes, providers):
             row = dict(grid=grid, provider=name, **shape)
             try:
                 for mode in MODES:
-                    ms, spread = time_mode(name, shape, mode)
-                    row[mode] = dict(ms=ms, spread_ms=spread, tflops=flops(shape, mode) / ms / 1e9)
+                    ms, spread, wall_ms = time_mode(name, shape, mode)
+                    row[mode] = dict(ms=ms, spread_ms=spread, tflops=flops(shape, mode) / ms / 1e9, wall_ms=wall_ms,
+                                     host_bound=wall_ms >= HOST_BOUND * ms)
                 if name == "triton":
                     row["tuner"] = tuner_choice(shape)
                 row["status"] = "ok"
@@ -248,8 +294,10 @@ def bench_grid(grid, shapes, providers):
                 row["status"] = "unsupported: " + str(e).splitlines()[0][:80]
             torch.cuda.empty_cache()
             shape_rows.append(row)
+            host_bound = lambda m: (f" [host-bound: wall {row[m]['wall_ms']:.3f} ms, GPU {row[m]['ms']:.3f}]"
+                                    if row[m]["host_bound"] else "")
             perf = "  ".join(f"{m} {row[m]['tflops']:6.1f} ({tflops_of_peak(row[m]['tflops']):>4} of peak)"
-                             for m in MODES) if row["status"] == "ok" else row["status"]
+                             + host_bound(m) for m in MODES) if row["status"] == "ok" else row["status"]
             print(f"N={shape['N']:<6} D={shape['D']:<4} {'causal' if shape['causal'] else 'full  '} {name:<15} {perf}",
                   flush=True)
         print(shape_summary(shape, shape_rows), flush=True)
@@ -398,11 +446,31 @@ def graphed(step):
     return graph.replay
 
 
+def clean_l2_us(replay, flush, reps=100):
+    """Median µs of replay, each run after reading flush (twice the L2's size), so that the L2
+    holds only clean lines, none of the step's data, as after the projections before a decoding
+    step. do_bench clears the L2 by writing zeros: the dirty lines that leaves are written back
+    while the step reads, up to the L2's size of HBM traffic (50 MB on an H100, about 15 µs)
+    that no decoding step meets."""
+    replay()
+    events = [(torch.cuda.Event(enable_timing=True), torch.cuda.Event(enable_timing=True)) for _ in range(reps)]
+    for start, end in events:
+        flush.sum()
+        start.record()
+        replay()
+        end.record()
+    torch.cuda.synchronize()
+    return 1000 * statistics.median(start.elapsed_time(end) for start, end in events)
+
+
 def decode_times():
     """Each of DECODE_SHAPES in bf16, one new token at the cache's last row (every row is read):
-    median µs of each of decode_steps and split_steps, replayed from a CUDA graph, and the K and V
-    bytes read over that, GB/s and as a share of the card's bandwidth (bandwidth_of_peak)."""
-    time_us = lambda step: 1000 * triton.testing.do_bench(graphed(step), rep=config.rep_ms, return_mode="median")
+    median µs of each of decode_steps and split_steps, replayed from a CUDA graph after an L2
+    flush that leaves it clean (clean_l2_us), and the K and V bytes read over that, GB/s and as a
+    share of the card's bandwidth (bandwidth_of_peak). The triton step is also timed by do_bench,
+    whose flush leaves the L2 dirty, as the figures before clean_l2_us were."""
+    flush = torch.ones(2 * torch.cuda.get_device_properties(0).L2_cache_size // 4, dtype=torch.int32, device="cuda")
+    time_us = lambda step: clean_l2_us(graphed(step), flush)
     rows = []
     for B, H, H_kv, S, D in DECODE_SHAPES:
         qkv = torch.randn(B, 1, H + 2 * H_kv, D, device="cuda", dtype=torch.bfloat16)
@@ -416,10 +484,13 @@ def decode_times():
                 us = time_us(step)
                 row["steps"][label] = dict(us=us, gb_per_s=row["bytes"] / (us * 1e3))
             row["triton_us_by_splits"] = {n: time_us(step) for n, step in split_steps(*inputs).items()}
+            row["triton_us_dirty_l2"] = 1000 * triton.testing.do_bench(graphed(decode_steps(*inputs)["triton"]),
+                                                                       rep=config.rep_ms, return_mode="median")
         rows.append(row)
         print(f"{row['shape']:<24} {row['bytes'] / 1e6:6.0f} MB  " + "  ".join(
             f"{label} {r['us']:8.1f} us ({bandwidth_of_peak(r['gb_per_s'])})"
-            for label, r in row["steps"].items()), flush=True)
+            for label, r in row["steps"].items()) + f"  (triton after do_bench's dirty flush: "
+            f"{row['triton_us_dirty_l2']:.1f} us)", flush=True)
         print(f"{'':<24} triton by splits (the plan: {row['splits']}): " + ", ".join(
             f"{n}: {us:.1f} us" for n, us in row["triton_us_by_splits"].items()), flush=True)
     write("decode", rows, decode_table(rows))

@@ -14,7 +14,7 @@ values, NaN).
 Why the whole cache and a position on the device, rather than k_cache[:, :, :n]: the step has
 the same shapes whatever the cache holds, so torch.compile compiles it once, a CUDA graph can
 replay it, and no backend meets a new shape at each token. The triton backend stores the token
-inside its kernel (triton_decode.py: split-KV, Flash-Decoding); the others store with
+inside its kernel (triton_decode.py: split-KV, Flash-Decoding, one launch); the others store with
 index_copy_, then mask, tiled as that kernel's twin.
 decode_attention (attention/__init__.py) checks its inputs here (check_decode_inputs) and calls
 the backend's function below, as backends.py's table names it, with the window's left side.
@@ -26,6 +26,7 @@ import torch.nn.functional as F
 
 from .eager import masked_attention_with_lse
 from .inputs import check_inputs, check_tensor, check_triton_inputs
+from .masks import visible_in_tile
 from .tiled import online_softmax_update
 from .triton_decode import split_plan, split_rows, triton_decode_attention
 
@@ -85,9 +86,11 @@ def store_in_cache(k, v, k_cache, v_cache, pos):
 
 
 def cached_keys(pos, left, n_cache):
-    """(1, 1, 1, S) bool: the cached keys a query at pos sees, [pos - left, pos]."""
+    """(1, 1, 1, S) bool: the cached keys a query at pos sees once its own key is stored, [pos -
+    left, pos]: masks.py's rule for a query at row pos over the pos + 1 keys up to its own (the
+    Triton kernel's is the same query over the pos keys before it, its own in registers)."""
     rows = torch.arange(n_cache, device=pos.device)
-    return ((rows <= pos) & (rows >= pos - left)).view(1, 1, 1, n_cache)
+    return visible_in_tile(pos, rows, (pos + 1, pos + 1, left, 0)).view(1, 1, 1, n_cache)
 
 
 def eager_decode_attention(q, k, v, k_cache, v_cache, pos, left):

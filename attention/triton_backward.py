@@ -315,7 +315,7 @@ def flash_backward(q, k, v, o, do, lse, is_causal=False, window_size=(-1, -1), c
         delta_compiled = _attn_bwd_delta[delta_grid](*delta_args, **delta_constexprs, num_warps=4)
     if hopper:
         with kernels_may_load(q.device):
-            hopper_backward.launch(q4, k4, v4, do4, lse4, delta, is_causal, dq, dk, dv)
+            hopper_backward.launch(q4, k4, v4, do4, lse4, delta, left, right, dq, dk, dv)
         return dq, dk, dv
     group = H // H_KV
     # Per (batch, kv head): its key tiles, then, split, its GROUP heads' query tiles (see _attn_bwd).

@@ -185,7 +185,7 @@ def flash_forward(q, k, v, is_causal=False, window_size=(-1, -1), config=None):
     set_tma_scratch_allocator()
     if config is None and hopper_forward.serves(q4, k4, left, right):
         with kernels_may_load(q.device):
-            hopper_forward.launch(q4, k4, v4, o, lse, is_causal)
+            hopper_forward.launch(q4, k4, v4, o, lse, left, right)
         return o, lse
     go_heads_first = heads_first(k4, B * H)
     grid = lambda meta: program_grid(cdiv(N_Q, meta["BLOCK_M"]), B * H, go_heads_first)

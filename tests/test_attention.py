@@ -427,34 +427,67 @@ def test_flash_attention_triton_is_the_triton_backend():
     assert torch.equal(FlashAttentionTriton.apply(q, k, v, True), attention(q, k, v, True, "triton"))
 
 
-@pytest.mark.parametrize("kernel", [hopper_forward, hopper_backward], ids=("forward", "backward"))
-def test_hopper_kernels_serve_only_what_they_were_built_for(kernel, monkeypatch):
-    """On a (pretend) compiled Hopper card each Gluon kernel takes the head dims, masks and
-    lengths of its TILES and MIN_KEYS; never grouped-query heads, a window, float32, or the
-    consumer-card path; and on this CPU, nothing at all."""
-    head_dim, is_causal = next(iter(kernel.TILES))
-    left, right = UNBOUNDED, 0 if is_causal else UNBOUNDED
-    q = torch.randn(1, 2, kernel.MIN_KEYS[head_dim, is_causal], head_dim, dtype=torch.bfloat16)
-    assert not kernel.serves(q, q, left, right)  # the interpreter: no Gluon
+def pretend_hopper(monkeypatch):
+    """A compiled Hopper card, as the Gluon kernels' entry rule sees it."""
     monkeypatch.setattr(hopper_common, "is_hopper", lambda device: True)
     monkeypatch.setattr(hopper_common, "INTERPRETING", False)
-    assert kernel.serves(q, q, left, right)
-    assert not kernel.serves(q, q[:, :1], left, right)  # grouped-query heads
-    assert not kernel.serves(q, q, 100, right)  # a window
-    assert not kernel.serves(q.float(), q.float(), left, right)
-    assert not kernel.serves(q, q[:, :, :-1], left, right)  # fewer keys than MIN_KEYS
+
+
+@pytest.mark.parametrize("kernel", [hopper_forward, hopper_backward], ids=("forward", "backward"))
+@pytest.mark.parametrize("head_dim,window", [(64, False), (64, True), (128, False), (128, True)])
+def test_hopper_kernels_serve_only_what_they_were_built_for(kernel, head_dim, window, monkeypatch):
+    """On a (pretend) compiled Hopper card each Gluon kernel takes the head dims and lengths of
+    its TILES and MIN_KEYS, under every mask (causal, any window, none) and with grouped-query
+    heads; never float32, another head dim, or the consumer-card path; and on this CPU, nothing
+    at all."""
+    min_keys = kernel.MIN_KEYS[head_dim, window]
+    q = torch.randn(1, 4, min_keys, head_dim, dtype=torch.bfloat16)
+    sides = [(UNBOUNDED, 0), (100, 0), (31, 17), (UNBOUNDED, 40), (0, 0)] if window else [(UNBOUNDED, UNBOUNDED)]
+    assert not kernel.serves(q, q, *sides[0])  # the interpreter: no Gluon
+    pretend_hopper(monkeypatch)
+    for left, right in sides:
+        assert kernel.serves(q, q, left, right) and kernel.serves(q, q[:, :1], left, right), (left, right)  # MHA, MQA
+        assert kernel.tiles_for(head_dim, left, right) is kernel.TILES[head_dim, window]
+        assert not kernel.serves(q.float(), q.float(), left, right)
+        assert not kernel.serves(q, q[:, :, :-1], left, right)  # fewer keys than MIN_KEYS
+    wide = torch.randn(1, 4, min_keys, 96, dtype=torch.bfloat16)
+    assert not kernel.serves(wide, wide, *sides[0])  # a head dim without tiles
     monkeypatch.setattr(hopper_common, "ADA_PATH", True)
-    assert not kernel.serves(q, q, left, right)
+    assert not kernel.serves(q, q, *sides[0])
+
+
+@pytest.mark.parametrize("heads,kv_heads,is_causal,window_size", [
+    (4, 4, True, (-1, -1)), (4, 1, False, (-1, -1)), (4, 2, True, (256, 0)), (4, 4, False, (31, 17)),
+    (6, 2, False, (-1, 40)), (4, 2, False, (1000, -1))])
+def test_flash_forward_and_backward_hand_windows_and_grouped_heads_to_the_hopper_kernels(
+        heads, kv_heads, is_causal, window_size, monkeypatch):
+    """On a (pretend) Hopper card, flash_forward and flash_backward give a 16-bit call the Gluon
+    kernels serve to them, kv heads and the mask's two sides as they are (left, right from
+    window_bounds); float32 goes to the Triton kernels (here, the interpreter)."""
+    pretend_hopper(monkeypatch)
+    monkeypatch.setattr(hopper_forward, "MIN_KEYS", dict.fromkeys(hopper_forward.MIN_KEYS, 64))
+    monkeypatch.setattr(hopper_backward, "MIN_KEYS", dict.fromkeys(hopper_backward.MIN_KEYS, 64))
+    launched = []
+    monkeypatch.setattr(hopper_forward, "launch", lambda q, k, v, o, lse, left, right: launched.append(
+        ("forward", k.shape[1], left, right)) or o.zero_())
+    monkeypatch.setattr(hopper_backward, "launch", lambda q, k, v, do, lse, delta, left, right, dq, dk, dv:
+                        launched.append(("backward", k.shape[1], left, right)))
+    sides = window_bounds(is_causal, window_size)
+    q, k, v = (t.detach() for t in random_qkv((1, heads, 70, 64), 90, h_kv=kv_heads, dtype=torch.float16))
+    o, lse = flash_forward(q, k, v, is_causal, window_size)
+    flash_backward(q, k, v, o, torch.randn_like(q), lse, is_causal, window_size)
+    assert launched == [("forward", kv_heads, *sides), ("backward", kv_heads, *sides)]
+    o, lse = flash_forward(q.float(), k.float(), v.float(), is_causal, window_size)  # no Gluon in float32
+    assert len(launched) == 2 and torch.isfinite(o).all()
 
 
 def test_the_hopper_backward_gives_way_to_deterministic_algorithms(monkeypatch):
     """hopper/backward.py's dQ is a sum in whatever order TMA's reduces land: under
     torch.use_deterministic_algorithms the split Triton backward runs instead."""
-    monkeypatch.setattr(hopper_common, "is_hopper", lambda device: True)
-    monkeypatch.setattr(hopper_common, "INTERPRETING", False)
-    (head_dim, is_causal), min_keys = next(iter(hopper_backward.MIN_KEYS.items()))
+    pretend_hopper(monkeypatch)
+    (head_dim, window), min_keys = next(iter(hopper_backward.MIN_KEYS.items()))
     q = torch.randn(1, 2, min_keys, head_dim, dtype=torch.bfloat16)
-    right = 0 if is_causal else UNBOUNDED
+    right = 0 if window else UNBOUNDED
     assert hopper_backward.serves(q, q, UNBOUNDED, right)
     torch.use_deterministic_algorithms(True)
     try:
@@ -675,12 +708,12 @@ def test_gpu_every_tile_config_is_correct(head_dim, is_causal, dtype, heads_firs
             assert_close(got, ref, tol, f"{name} with {config}")
 
 
-def hopper_served(kernel, n_k, head_dim, is_causal):
+def hopper_served(kernel, n_k, head_dim, is_causal, window_size=(-1, -1), heads=1, kv_heads=1):
     if not hopper_common.is_hopper(torch.device("cuda")) or launch.ADA_PATH:
         pytest.skip("the warp-specialised kernels are Hopper's")
-    q = torch.empty(1, 1, 1, head_dim, dtype=torch.bfloat16, device="cuda")
-    k = torch.empty(1, 1, n_k, head_dim, dtype=torch.bfloat16, device="cuda")
-    assert kernel.serves(q, k, UNBOUNDED, 0 if is_causal else UNBOUNDED)
+    q = torch.empty(1, heads, 1, head_dim, dtype=torch.bfloat16, device="cuda")
+    k = torch.empty(1, kv_heads, n_k, head_dim, dtype=torch.bfloat16, device="cuda")
+    assert kernel.serves(q, k, *window_bounds(is_causal, window_size))
 
 
 @pytest.fixture
@@ -693,7 +726,7 @@ def hopper_from_few_keys(monkeypatch):
 
 @gpu
 @pytest.mark.parametrize("dtype", [torch.bfloat16, torch.float16])
-@pytest.mark.parametrize("head_dim,is_causal", list(hopper_forward.TILES))
+@pytest.mark.parametrize("head_dim,is_causal", list(hopper_forward.TILES))  # (head dim, window): causal as the window
 @pytest.mark.parametrize("n_q,n_k", [(2049, 2049), (300, 4097), (5000, 2048), (1, 3001), (257, 257)])
 def test_gpu_hopper_kernels(n_q, n_k, head_dim, is_causal, dtype, hopper_from_few_keys):
     """The Gluon forward and backward where they serve: O, lse, dQ, dK, dV against float64, on
@@ -713,6 +746,32 @@ def test_gpu_hopper_kernels(n_q, n_k, head_dim, is_causal, dtype, hopper_from_fe
     assert_close(lse, lse_ref, 1e-4, "lse")  # float32 scores of exact 16-bit products
     for name, got, ref in (("dQ", dq, dq_ref), ("dK", dk, dk_ref), ("dV", dv, dv_ref)):
         assert_close(got, ref, GPU_TOLERANCE[dtype], name)
+
+
+@gpu
+@pytest.mark.parametrize("head_dim", [64, 128])
+@pytest.mark.parametrize("heads,kv_heads", [(4, 1), (6, 2), (3, 3)])
+@pytest.mark.parametrize("is_causal,window_size", [(True, (-1, -1)), (True, (256, 0)), (False, (100, 37)),
+                                                   (False, (0, 0)), (False, (-1, 40)), (False, (1000, -1))])
+@pytest.mark.parametrize("n_q,n_k", [(2049, 2049), (300, 1500), (1500, 700)])
+def test_gpu_hopper_kernels_grouped_heads_and_windows(n_q, n_k, is_causal, window_size, heads, kv_heads, head_dim,
+                                                      hopper_from_few_keys):
+    """The Gluon forward and backward on grouped-query heads (query head h reads kv head
+    h // G; a kv head's dK and dV add up its G query heads' parts) and windows (masked tiles at
+    both edges, rows of N_q > N_k that see no key: O = 0, lse = -inf, no gradient), against
+    float64, in bfloat16."""
+    hopper_served(hopper_forward, n_k, head_dim, is_causal, window_size, heads, kv_heads)
+    hopper_served(hopper_backward, n_k, head_dim, is_causal, window_size, heads, kv_heads)
+    g = torch.Generator().manual_seed(n_q + heads)
+    q, k, v = (t.detach() for t in random_qkv((2, heads, n_q, head_dim), n_k, h_kv=kv_heads, dtype=torch.bfloat16,
+                                               device="cuda", seed=n_k + kv_heads))
+    do = torch.randn(q.shape, generator=g).to(q)
+    o, lse = flash_forward(q, k, v, is_causal, window_size)
+    dq, dk, dv = flash_backward(q, k, v, o, do, lse, is_causal, window_size)
+    o_ref, lse_ref, dq_ref, dk_ref, dv_ref = reference(q, k, v, is_causal, do, window_size)
+    tol = GPU_TOLERANCE[torch.bfloat16]
+    assert_all_close([("O", o, o_ref), ("dQ", dq, dq_ref), ("dK", dk, dk_ref), ("dV", dv, dv_ref)], tol)
+    assert_close(lse, lse_ref, 1e-4, "lse")
 
 
 @gpu

@@ -77,7 +77,7 @@ def test_grid_names_the_tuners_choice_beside_the_ratios(bench, monkeypatch, caps
     times = {"triton": 1.0, "sdpa_flash": 1.2, "sdpa_cudnn": 0.9}
     inputs = torch.empty(1)
     monkeypatch.setattr(bench, "this_card", lambda: None)
-    monkeypatch.setattr(bench, "time_mode", lambda name, shape, mode: (times[name], (times[name], times[name])))
+    monkeypatch.setattr(bench, "time_mode", lambda name, shape, mode: (times[name], (times[name], times[name]), times[name]))
     monkeypatch.setattr(bench, "make_inputs", lambda shape, requires_grad: (None, inputs, inputs, inputs))
     monkeypatch.setattr(bench.hopper_forward, "serves", lambda *args: False)
     monkeypatch.setattr(bench.hopper_backward, "serves", lambda *args: True)
@@ -194,3 +194,59 @@ def test_the_step_summary_gives_each_mode_a_column_and_each_wall_time_as_a_multi
     assert ("| triton | 32.00 (1.09x sdpa), GPU 4.00 | 21.00 (1.07x sdpa), GPU 4.00 | 4.96 (0.91x sdpa), GPU 4.00 |"
             in summary)
     assert "| eager | out of memory | not run | not run |" in summary
+
+
+class Recorded(torch.autograd.Function):
+    """A provider's attention on the CPU that says when its forward and its backward run."""
+    calls = []
+
+    @staticmethod
+    def forward(ctx, q, k, v):
+        Recorded.calls.append("forward")
+        return q * k + v
+
+    @staticmethod
+    def backward(ctx, do):
+        Recorded.calls.append("backward")
+        return do, do, do
+
+
+def timer(kind, ms, timed):
+    """Stands in for one of do_bench (kind "wall") and replayed_ms ("gpu"): runs the call once,
+    records what it ran, and reports ms."""
+    def time(fn, **kwargs):
+        Recorded.calls.clear()
+        fn()
+        timed.append((kind, tuple(Recorded.calls)))
+        return ms
+    return time
+
+
+@pytest.mark.parametrize("wall_ms, host_bound", [(0.5, True), (0.21, False)])
+def test_the_grid_reports_gpu_time_and_flags_a_host_bound_row(bench, monkeypatch, capsys, wall_ms, host_bound):
+    """Every grid TFLOP/s is of the GPU time (replayed from a CUDA graph), never of the wall time;
+    a cell whose wall time is HOST_BOUND times its GPU time or more is flagged host-bound, in its
+    row and its printed line; and each timer times the mode its label says: the forward alone,
+    the backward alone (on a kept graph), or both, of the provider named."""
+    def inputs(shape, requires_grad):
+        qkv = torch.randn(1, 8, 3, 4, requires_grad=requires_grad)
+        return qkv, *qkv.transpose(1, 2).split([1, 1, 1], dim=1)
+    timed = []
+    monkeypatch.setattr(bench, "make_inputs", inputs)
+    monkeypatch.setattr(bench, "run_provider", lambda name, q, k, v, causal: Recorded.calls.append(name)
+                        or Recorded.apply(q, k, v))
+    monkeypatch.setattr(bench.triton.testing, "do_bench", timer("wall", wall_ms, timed))
+    graphed = timer("gpu", 0.2, timed)
+    monkeypatch.setattr(bench, "replayed_ms", lambda fn, stream, rep_ms: (graphed(fn), (0.19, 0.21)))
+    monkeypatch.setattr(bench.torch.cuda, "Stream", lambda: None)  # torch.cuda.stream(None) changes nothing
+    monkeypatch.setattr(bench, "this_card", lambda: bench.CARDS["NVIDIA H100 80GB HBM3"])
+    shape = dict(B=4, H=16, N=4096, D=64, causal=True, dtype="float32")
+    row, = bench.bench_grid("paper", [shape], ["sdpa_cudnn"])
+    ran = {"fwd": ("sdpa_cudnn", "forward"), "bwd": ("backward",), "fwd+bwd": ("sdpa_cudnn", "forward", "backward")}
+    assert timed == [(kind, ran[mode]) for mode in bench.MODES for kind in ("wall", "gpu")]
+    for mode in bench.MODES:
+        assert row[mode] == dict(ms=0.2, spread_ms=(0.19, 0.21), tflops=bench.flops(shape, mode) / 0.2 / 1e9,
+                                 wall_ms=wall_ms, host_bound=host_bound)
+    line = next(line for line in capsys.readouterr().out.splitlines() if line.startswith("N="))
+    assert line.startswith("N=4096   D=64   causal sdpa_cudnn      fwd  687.2 ( 69% of peak)")  # 0.2 ms, not wall_ms
+    assert line.count(f"[host-bound: wall {wall_ms:.3f} ms, GPU 0.200]") == (3 if host_bound else 0), line

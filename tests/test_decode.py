@@ -11,6 +11,7 @@ uncompiled one, and writes the cache in place; a decoder's CUDA graph, the captu
 CPU; generation with the weights cast to bf16 once (no cast per token, the same tokens compiled or
 not, the cached logits those of the whole context)."""
 import json
+import math
 import os
 import subprocess
 import sys
@@ -18,7 +19,7 @@ import sys
 import pytest
 import torch
 
-from attention import BACKENDS, decode_attention, store_in_cache, triton_decode
+from attention import BACKENDS, decode, decode_attention, store_in_cache, triton_decode
 from attention.decode import cached_keys, tiled_decode_splits, tiled_split_kv_decode
 from attention.masks import window_bounds
 from attention.launch import ADA_SHARED_MEMORY_BYTES, head_dim_block
@@ -366,14 +367,15 @@ def test_split_kv_decode_matches_float64_at_every_split_count(backend, dtype, n_
 
 @pytest.mark.parametrize("B, H, H_kv, S, D, pos, left", SPLIT_SHAPES)
 def test_the_kernels_splits_are_the_twins_split_for_split(monkeypatch, B, H, H_kv, S, D, pos, left):
-    # The merge's inputs, the partial outputs and log-sum-exps, are the twin's: the same split
-    # bounds, and a split that sees no key gives lse = -inf and a zero output in both.
-    merges = Launches(triton_decode._merge_splits)
-    monkeypatch.setattr(triton_decode, "_merge_splits", merges)
+    # The merge's inputs, the partial outputs and log-sum-exps the split programs leave, are the
+    # twin's: the same split bounds, and a split that sees no key gives lse = -inf and a zero
+    # output in both. One launch, whose last program of each (batch, kv head) merges.
+    launches = Launches(triton_decode._decode_split)
+    monkeypatch.setattr(triton_decode, "_decode_split", launches)
     q, k, v, k_cache, v_cache = decode_inputs(B, H, H_kv, S, D)
     split_decode("triton", q, k, v, k_cache.clone(), v_cache.clone(), pos, left, 7)
-    (grid, (o_split, lse_split, *_)), = merges.calls
-    assert grid == (B * H,)
+    (grid, (*_, o_split, lse_split, counters, _)), = [(grid, args[:10]) for grid, args in launches.calls]
+    assert grid == (B * H_kv, 7) and not counters.any()  # the merging programs leave the counters at zero
     store_in_cache(k, v, k_cache, v_cache, torch.tensor([pos]))
     visible = cached_keys(torch.tensor([pos]), window_bounds(False, (left, 0))[0], S)
     o_twin, lse_twin = tiled_decode_splits(q, k_cache, v_cache, visible, 7, SPLIT_TILE)
@@ -400,41 +402,82 @@ def test_cache_rows_outside_the_window_never_reach_any_split(backend, left):
     torch.testing.assert_close(v_cache.double(), v_expected, atol=0, rtol=0, equal_nan=True)
 
 
-@pytest.mark.parametrize("S, splits", [(1100, 5), (37, 1)])
-def test_the_split_count_the_host_picks_is_what_the_kernel_runs(monkeypatch, S, splits):
+@pytest.mark.parametrize("backend", ["triton", "tiled"])
+@pytest.mark.parametrize("S, splits", [(4100, 4), (1100, 1)])
+def test_the_split_count_the_host_picks_is_what_the_kernel_and_its_twin_run(monkeypatch, backend, S, splits):
     # On the CPU the plan assumes the 4070 Super's 56 SMs: 2 (batch, kv head) pairs of a
-    # 1,100-row cache in 256-row tiles (D=16, float32) take 5 splits, one a tile; a 37-row
-    # cache takes one, and no merge.
-    launches = {name: Launches(getattr(triton_decode, name)) for name in ("_decode_split", "_merge_splits")}
-    for name, recorder in launches.items():
-        monkeypatch.setattr(triton_decode, name, recorder)
+    # 4,100-row cache in 256-row tiles (D=16, float32: 512 KB of K and V a pair) take 4 splits,
+    # at the 128 KB a split reads at least; a 1,100-row cache (140 KB a pair) takes one. The
+    # kernel runs them in one launch; the twin cuts the same splits and tiles.
+    kernel = Launches(triton_decode._decode_split)
+    monkeypatch.setattr(triton_decode, "_decode_split", kernel)
+    twin = []
+    monkeypatch.setattr(decode, "tiled_decode_splits",
+                        lambda *args: twin.append(args[-2:]) or tiled_decode_splits(*args))
     q, k, v, k_cache, v_cache = decode_inputs(1, 4, 2, S, 16)
     assert triton_decode.split_plan(k_cache) == (splits, 256)
     o_expected, _, _ = expected(q, k, v, k_cache, v_cache, S - 3, -1)
-    o = decode_attention(q, k, v, k_cache, v_cache, torch.tensor([S - 3]))
+    o = decode_attention(q, k, v, k_cache, v_cache, torch.tensor([S - 3]), backend=backend)
     torch.testing.assert_close(o.double(), o_expected, atol=1e-5, rtol=1e-5)
-    assert [grid for grid, _ in launches["_decode_split"].calls] == [(2, splits)]
-    assert [grid for grid, _ in launches["_merge_splits"].calls] == ([(4,)] if splits > 1 else [])
+    ran = [grid for grid, _ in kernel.calls] if backend == "triton" else twin
+    assert ran == [(2, splits)] if backend == "triton" else [(splits, 256)]
 
 
-@pytest.mark.parametrize("programs, n_tiles, splits", [
-    (8 * 16, 32, 2),    # batch 8 x 16 kv heads, 4,096 rows at D=64: 256 programs, about 2 an SM
-    (8 * 4, 64, 7),     # 4 kv heads at D=128 (64-row tiles): 7 splits, 224 programs
-    (1 * 4, 512, 57),   # batch 1, 32,768 rows: 55 and 56 give 10 tiles a split as 54 does
-    (212, 64, 1),       # 212 programs fill 80% of 264 slots already
-    (4, 4, 1),          # 4 tiles: a merge would cost more than it saves
-    (2 * 12, 2, 1),     # sample.py's default model at batch 2, 512 rows at D=32
-])
-def test_the_split_count_follows_flash_attention_2s_heuristic_on_an_h100(programs, n_tiles, splits):
-    assert triton_decode.decode_splits(programs, n_tiles, n_sms=132) == splits
+# (pairs, K and V bytes a pair, tiles, splits): bench.py's decode shapes on an H100 (132 SMs,
+# bf16; D=64 in 128-row tiles, D=128 in 64-row ones), the plan aiming at 264 programs of 128 KB
+# or more each.
+H100_PLANS = [
+    (8 * 16, 1 << 20, 32, 3),     # batch 8 x 16 kv heads, 4,096 rows at D=64: 3 splits of 11 tiles, 384 programs
+    (8 * 4, 1 << 20, 32, 8),      # 4 kv heads: 9 wanted, 8 cut the 32 tiles evenly (4 a split, 128 KB)
+    (8 * 16, 2 << 20, 64, 3),     # D=128: 3 splits of 22 tiles
+    (8 * 4, 2 << 20, 64, 8),      # 4 kv heads at D=128: 8 splits of 8 tiles (256 KB)
+    (1 * 4, 16 << 20, 512, 64),   # one sequence, 32,768 rows, 4 kv heads: MAX_SPLITS, 256 programs
+    (1 * 16, 16 << 20, 512, 17),  # 16 kv heads: 17 splits, 272 programs
+    (264, 1 << 20, 32, 1),        # the pairs alone are 2 programs an SM
+    (4, 4 * 2 ** 16, 4, 2),       # 256 KB a pair: two splits of 128 KB, whatever the SMs want
+    (2 * 12, 2 * 512 * 32 * 2, 2, 1),  # sample.py's default model at batch 2, 512 rows at D=32: 64 KB a pair
+]
 
 
-def test_no_split_lies_past_the_end_of_the_cache():
-    for programs in range(1, 300, 7):
-        for n_tiles in range(1, 700, 3):
-            n_splits = triton_decode.decode_splits(programs, n_tiles, n_sms=132)
-            tiles_per_split = triton_decode.split_rows(n_tiles, n_splits, 1)
-            assert 1 <= n_splits <= triton_decode.MAX_SPLITS and (n_splits - 1) * tiles_per_split < n_tiles
+@pytest.mark.parametrize("pairs, pair_bytes, n_tiles, splits", H100_PLANS)
+def test_the_split_plan_on_an_h100(pairs, pair_bytes, n_tiles, splits):
+    assert triton_decode.decode_splits(pairs, pair_bytes, n_tiles, n_sms=132) == splits
+
+
+def test_the_split_plan_sizes_splits_by_their_bytes_and_none_lies_past_the_cache():
+    # A split reads SPLIT_MIN_BYTES or more on average (whole tiles: the last may hold fewer);
+    # the programs reach PROGRAMS_PER_SM an SM but for the bytes, MAX_SPLITS or the tiles (at
+    # least half the way: whole tiles a split cost at most half the count); no split starts past
+    # the cache's last tile.
+    target = triton_decode.PROGRAMS_PER_SM * 132
+    for pairs in range(1, 300, 7):
+        for n_tiles in range(1, 700, 9):
+            for tile_bytes in (16384, 32768):
+                pair_bytes = 2 * n_tiles * tile_bytes
+                n_splits = triton_decode.decode_splits(pairs, pair_bytes, n_tiles, n_sms=132)
+                tiles_per_split = triton_decode.split_rows(n_tiles, n_splits, 1)
+                assert 1 <= n_splits <= triton_decode.MAX_SPLITS and (n_splits - 1) * tiles_per_split < n_tiles
+                assert n_splits == 1 or pair_bytes / n_splits >= triton_decode.SPLIT_MIN_BYTES
+                most = min(pair_bytes // triton_decode.SPLIT_MIN_BYTES, n_tiles, triton_decode.MAX_SPLITS)
+                assert 2 * pairs * n_splits >= min(target, pairs * max(most, 1)), (pairs, n_tiles, n_splits)
+
+
+def test_the_split_programs_leave_their_counters_at_zero():
+    # The last program of each (batch, kv head) merges and zeroes its counter: the next call (a
+    # graph replay) starts from zero. A counter left at 1 would make a program merge early.
+    q, k, v, k_cache, v_cache = decode_inputs(2, 6, 3, 61, 40)
+    counters = triton_decode.split_counters(q.device)
+    for pos in (60, 5):
+        o_expected, _, _ = expected(q, k, v, k_cache, v_cache, pos)
+        o = split_decode("triton", q, k, v, k_cache, v_cache, pos, -1, 4)
+        torch.testing.assert_close(o.double(), o_expected, atol=1e-5, rtol=1e-5)
+        assert not counters.any()
+    counters[0] = 1
+    try:
+        o = split_decode("triton", q, k, v, k_cache, v_cache, 60, -1, 4)
+        assert not torch.allclose(o.double(), expected(q, k, v, k_cache, v_cache, 60)[0], atol=1e-3)
+    finally:
+        counters.zero_()
 
 
 def test_the_triton_decode_in_bfloat16_on_the_cpu_matches_float64():
@@ -459,9 +502,10 @@ def decode_kernel_shared_memory():
     for element_type, size in (("bf16", 2), ("fp32", 4)):
         for head_dim in (16, 64, 128, 256):
             constexprs = dict(HEAD_DIM=head_dim, BLOCK_D=head_dim_block(head_dim), BLOCK_G=16,
-                              BLOCK_N=triton_decode.decode_block_n(head_dim, size))
-            types = dict(dict.fromkeys(("Q", "K", "V", "K_CACHE", "V_CACHE", "O_SPLIT"), "*" + element_type),
-                         LSE_SPLIT="*fp32", POS="*i64", qk_scale="fp32", **dict.fromkeys(constexprs, "constexpr"))
+                              BLOCK_N=triton_decode.decode_block_n(head_dim, size), BLOCK_S=64)
+            types = dict(dict.fromkeys(("Q", "K", "V", "K_CACHE", "V_CACHE", "O"), "*" + element_type),
+                         O_SPLIT="*fp32", LSE_SPLIT="*fp32", COUNTS="*i32", POS="*i64", qk_scale="fp32",
+                         **dict.fromkeys(constexprs, "constexpr"))
             signature = {name: types.get(name, "i32") for name in kernel.arg_names}
             attrs = {(i,): [["tt.divisibility", 16]] for i, name in enumerate(kernel.arg_names)
                      if signature[name] in ("i32", "*" + element_type)}
@@ -898,8 +942,8 @@ def bench():
 
 
 def test_bench_decode_times_what_its_labels_say(bench, monkeypatch):
-    # triton: the split-KV kernel with the host's split count (5 splits on the CPU, see
-    # test_the_split_count_the_host_picks_is_what_the_kernel_runs) and no sdpa; sdpa: the sdpa
+    # triton: the split-KV kernel with the host's split count (4 splits on the CPU, see
+    # test_the_split_count_the_host_picks_is_what_the_kernel_and_its_twin_run) and no sdpa; sdpa: the sdpa
     # backend, masked; sdpa, no mask: sdpa over the whole cache. Each stores the token and is exact.
     splits = Launches(triton_decode._decode_split)
     monkeypatch.setattr(triton_decode, "_decode_split", splits)
@@ -909,9 +953,9 @@ def test_bench_decode_times_what_its_labels_say(bench, monkeypatch):
                         lambda *args, **kwargs: masks.append(kwargs.get("attn_mask")) or sdpa(*args, **kwargs))
     ran = {}
     for label in ("triton", "sdpa", "sdpa, no mask"):
-        q, k, v, k_cache, v_cache = decode_inputs(1, 4, 2, 1100, 16)
-        o_expected, k_expected, _ = expected(q, k, v, k_cache, v_cache, 1099)
-        steps = bench.decode_steps(q, k, v, k_cache, v_cache, torch.tensor([1099]))
+        q, k, v, k_cache, v_cache = decode_inputs(1, 4, 2, 4100, 16)
+        o_expected, k_expected, _ = expected(q, k, v, k_cache, v_cache, 4099)
+        steps = bench.decode_steps(q, k, v, k_cache, v_cache, torch.tensor([4099]))
         assert list(steps) == ["triton", "sdpa", "sdpa, no mask"]
         splits.calls.clear()
         masks.clear()
@@ -919,7 +963,7 @@ def test_bench_decode_times_what_its_labels_say(bench, monkeypatch):
         torch.testing.assert_close(o.double(), o_expected, atol=1e-5, rtol=1e-5)
         assert torch.equal(k_cache.double(), k_expected)
         ran[label] = ([grid for grid, _ in splits.calls], [mask is not None for mask in masks])
-    assert ran == {"triton": ([(2, 5)], []), "sdpa": ([], [True]), "sdpa, no mask": ([], [False])}
+    assert ran == {"triton": ([(2, 4)], []), "sdpa": ([], [True]), "sdpa, no mask": ([], [False])}
 
 
 @pytest.mark.parametrize("card, bandwidth", [("NVIDIA H100 80GB HBM3", 3.35e12), ("NVIDIA H200", 4.8e12),
@@ -930,14 +974,14 @@ def test_bench_decode_knows_the_bandwidth_of_the_repos_cards_by_name(bench, card
 
 
 def test_bench_decode_times_triton_at_the_split_counts_it_names(bench, monkeypatch):
-    # 16 (batch, kv head) pairs of a 10-tile cache (64-row tiles at D=64, float32): the plan on
-    # the CPU is 5 splits; twice that is a tile a split, and 4 times is capped there.
+    # 16 (batch, kv head) pairs of a 10-tile cache (64-row tiles at D=64, float32, 300 KB of K
+    # and V a pair): the plan on the CPU is 2 splits of 128 KB or more; then twice and 4 times.
     splits = Launches(triton_decode._decode_split)
     monkeypatch.setattr(triton_decode, "_decode_split", splits)
     q, k, v, k_cache, v_cache = decode_inputs(4, 8, 4, 600, 64)
     o_expected, _, _ = expected(q, k, v, k_cache, v_cache, 599)
     steps = bench.split_steps(q, k, v, k_cache, v_cache, torch.tensor([599]))
-    assert list(steps) == [1, 5, 10]
+    assert list(steps) == [1, 2, 4, 8]
     for n, step in steps.items():
         splits.calls.clear()
         torch.testing.assert_close(step().double(), o_expected, atol=1e-5, rtol=1e-5)

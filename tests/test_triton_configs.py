@@ -106,10 +106,10 @@ def measure():
                                head_dim=max(admitted), shared=compiled.metadata.shared, limit=limit)
     for module, kernel in ((hopper_forward, hopper_forward._attn_fwd_warp_specialized),
                            (hopper_backward, hopper_backward._attn_bwd_warp_specialized)):
-        for (head_dim, is_causal), tiles in module.TILES.items():
-            compiled = compile_for(kernel, "bf16", dict(tiles, **module.REGISTERS, IS_CAUSAL=is_causal,
-                                                        HEAD_DIM=head_dim), 90, 4, 1, gluon=True)
-            yield dict(target="sm_90", gluon=True, kernel=kernel.__name__, head_dim=head_dim, is_causal=is_causal,
+        for (head_dim, window), tiles in module.TILES.items():
+            compiled = compile_for(kernel, "bf16", dict(tiles, **module.REGISTERS, WINDOW=window, HEAD_DIM=head_dim),
+                                   90, 4, 1, gluon=True)
+            yield dict(target="sm_90", gluon=True, kernel=kernel.__name__, head_dim=head_dim, window=window,
                        shared=compiled.metadata.shared, limit=HOPPER_SHARED_MEMORY_BYTES)
 
 
@@ -158,8 +158,9 @@ def test_both_backward_schedules_compile_for_the_consumer_card(compiled):
                                            (hopper_backward, "_attn_bwd_warp_specialized")], ids=("forward", "backward"))
 def test_gluon_kernels_compile_for_hopper(compiled, module, kernel):
     """Each warp-specialised kernel compiles for sm_90 with the tiles of every head dim and mask
-    it serves, within Hopper's 227 KB of shared memory per block."""
-    assert [(r["head_dim"], r["is_causal"]) for r in compiled["hopper_gluon"][kernel]] == list(module.TILES)
+    it serves, within Hopper's 227 KB of shared memory per block. The mask's sides and the
+    query heads per kv head are runtime ints: one build serves every window and group size."""
+    assert [(r["head_dim"], r["window"]) for r in compiled["hopper_gluon"][kernel]] == list(module.TILES)
     for r in compiled["hopper_gluon"][kernel]:
         assert r["shared"] <= HOPPER_SHARED_MEMORY_BYTES, r
 
