@@ -98,7 +98,7 @@ def main(argv=None):
             print(f"{label:<18} {x:7.1f} {roof(h100, x):10.1f} {step['tflops']:7.1f} "
                   f"{consumer.get(step['step'], float('nan')):14.1f} {roof(ada, x):11.1f}")
         axes[1].plot(x, roof(ada, x), "s", mfc="none", color="#55a868",
-                     label="the roof at these tiles' intensity, without the L2: not measured" if x < 20 else None)
+                     label="the roof at these tiles' intensity, without the L2 (a model, no run)" if x < 20 else None)
         axes[1].annotate("\n".join(SHORT[step["step"]] for step in steps), (x, roof(ada, x)), xytext=(6, 0),
                          textcoords="offset points", fontsize=7, va="top")
     axes[0].text(5, 1000, "points above the slanted roof: the L2 serves the K and V tiles\nthat the query "
