@@ -536,7 +536,7 @@ def test_short_sequences_keep_short_tiles(monkeypatch):
 def timed_configs(table, smem_rows, head_dim, deterministic=False):
     """What the tuner times for a bf16 call at 4,096 tokens, on the card configs_on pretends."""
     q = torch.empty(1, 4, 4096, head_dim, dtype=torch.bfloat16, device="meta")
-    return launch.pruned_configs(table, smem_rows, dict(Q=q, N_Q=4096, N_K=4096),
+    return launch.pruned_configs(table, smem_rows, dict(Q=q, N_Q=4096, N_K=4096, N_Q_BUCKET=4096, N_K_BUCKET=4096),
                                  dict(HEAD_DIM=head_dim, DETERMINISTIC=deterministic))
 
 

@@ -677,9 +677,9 @@ def test_a_compiled_split_kv_decode_is_right_wherever_pos_moves():
     # is right at 0 (one split sees a key), inside the cache (a window of 300 keys leaves splits
     # empty on both sides) and at the last row.
     torch._dynamo.reset()
-    B, H, H_kv, S, D, left = 1, 4, 2, 1100, 16, 300
+    B, H, H_kv, S, D, left = 1, 4, 2, 1100, 64, 300
     q, k, v, k_cache, v_cache = decode_inputs(B, H, H_kv, S, D)
-    assert triton_decode.split_plan(k_cache)[0] > 4
+    assert triton_decode.split_plan(k_cache)[0] >= 4  # splits of at most 275 rows
     pos = torch.tensor([S - 1])
     compiles = CompileCounterWithBackend("aot_eager")
     step = torch.compile(lambda: decode_attention(q, k, v, k_cache, v_cache, pos, (left, 0)), backend=compiles,

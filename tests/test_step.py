@@ -108,9 +108,14 @@ def mock_cuda_graph(monkeypatch, owner, name, output=None):
     replayed) call counts."""
     counts = {"captured": 0, "replayed": 0}
     recorded = []
+    capturing = []
     real = getattr(owner, name)
 
-    def record(*args, **kwargs):
+    def call(*args, **kwargs):
+        # owner.<name> is this for the whole test, so a caller that took the function before the
+        # capture began (attention.cuda_graph.capture_graph takes it as an argument) records too.
+        if not capturing:
+            return real(*args, **kwargs)
         counts["captured"] += 1
         placeholder = output() if output else None
         recorded.append((args, kwargs, placeholder))
@@ -126,16 +131,13 @@ def mock_cuda_graph(monkeypatch, owner, name, output=None):
 
     @contextlib.contextmanager
     def graph(cuda_graph, *args, **kwargs):
-        own = name in vars(owner)
-        setattr(owner, name, record)
+        capturing.append(True)
         try:
             yield
         finally:
-            if own:
-                setattr(owner, name, real)
-            else:
-                delattr(owner, name)
+            capturing.pop()
 
+    monkeypatch.setattr(owner, name, call)
     stream = type("Stream", (), {"wait_stream": lambda self, other: None})
     monkeypatch.setattr(torch.cuda, "Stream", stream)
     monkeypatch.setattr(torch.cuda, "current_stream", stream)
