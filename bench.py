@@ -3,6 +3,7 @@ process on one CUDA card (the host mode on any machine).
 
     python bench.py                      # the paper grid: forward, backward, forward+backward -> bench-out/
     python bench.py --grid=long          # one sequence, causal, 128 to 65,536 tokens; the model's own shapes
+    python bench.py --grid=masks --providers=triton,flex,sdpa_flash   # a 1k window vs causal, 16 vs 4 kv heads
     python bench.py --quick=True         # three lengths of each grid
     python bench.py --mode=ladder        # the forward, one optimisation at a time (docs/optimisation.md)
     python bench.py --mode=configs       # every tile config of each Triton kernel that fits the card, timed
@@ -52,14 +53,14 @@ from training.config import (BACKENDS, COMPILE_MODES, CUDA_GRAPH_COMPILE_MODES, 
 
 # The backends (attention/backends.py), sdpa split into the kernels torch chooses among.
 SDPA_KERNELS = ("sdpa_flash", "sdpa_cudnn", "sdpa_efficient")
-PROVIDERS = tuple(provider for name in BACKENDS for provider in (SDPA_KERNELS if name == "sdpa" else (name,)))
+PROVIDERS = tuple(provider for name in BACKENDS for provider in (SDPA_KERNELS if name == "sdpa" else (name,))) + ("flex",)
 MODES = ("fwd", "bwd", "fwd+bwd")
 
 
 @dataclass
 class BenchConfig:
     mode: str = choice("grid", ("grid", "ladder", "configs", "step", "decode", "host"))  # what to measure
-    grid: str = choice("paper", ("paper", "long", "all"))  # mode=grid: which grid of shapes
+    grid: str = choice("paper", ("paper", "long", "masks", "all"))  # mode=grid: which grid of shapes (masks: windows and grouped heads)
     quick: bool = False  # mode=grid: three lengths of each grid
     providers: str = "triton,sdpa_flash,sdpa_cudnn"  # mode=grid: comma-separated, of the backends but sdpa, and sdpa's kernels: sdpa_flash (FlashAttention-2), sdpa_cudnn, sdpa_efficient
     backends: str = "eager,sdpa,triton"  # mode=step: the attention backends to train with
@@ -112,7 +113,7 @@ from torch.nn.attention import SDPBackend, sdpa_kernel  # noqa: E402
 
 from attention import attention, decode_attention, launch, store_in_cache, triton_decode  # noqa: E402
 from attention.cuda_graph import capture_graph  # noqa: E402
-from attention.masks import UNBOUNDED  # noqa: E402
+from attention.masks import UNBOUNDED, window_bounds  # noqa: E402
 from attention.hopper import backward as hopper_backward  # noqa: E402
 from attention.hopper import forward as hopper_forward  # noqa: E402
 from attention.launch import fitting_configs  # noqa: E402
@@ -172,22 +173,69 @@ def long_grid(quick):
     return [dict(B=1, H=16, N=n, D=d, causal=True, dtype="bfloat16") for d in (64, 128) for n in lengths] + model
 
 
+def masks_grid(quick):
+    """What a mask saves: causal against a 1,024-key window (window, its left side) at 16k tokens,
+    and 16 query heads over 16 kv heads against over 4 (H_kv) at 4k. The model's training masks."""
+    windows = [dict(B=1, H=2048 // d, N=16384, D=d, causal=True, dtype="bfloat16", window=w)
+               for d in (64, 128) for w in (-1, 1024)]
+    grouped = [dict(B=4, H=16, H_kv=h_kv, N=4096, D=64, causal=True, dtype="bfloat16") for h_kv in (16, 4)]
+    return windows + grouped
+
+
 def make_inputs(shape, requires_grad):
-    """q, k, v as (B, H, N, D) views of one (B, N, 3 * H, D) projection, and that projection."""
+    """q, k, v as (B, H, N, D) and (B, H_kv, N, D) views of one (B, N, H + 2 * H_kv, D) projection,
+    and that projection."""
     B, H, N, D = shape["B"], shape["H"], shape["N"], shape["D"]
-    qkv = torch.randn(B, N, 3 * H, D, device="cuda", dtype=getattr(torch, shape["dtype"]), requires_grad=requires_grad)
-    return qkv, *qkv.transpose(1, 2).split([H, H, H], dim=1)
+    H_kv = shape.get("H_kv", H)
+    qkv = torch.randn(B, N, H + 2 * H_kv, D, device="cuda", dtype=getattr(torch, shape["dtype"]),
+                      requires_grad=requires_grad)
+    return qkv, *qkv.transpose(1, 2).split([H, H_kv, H_kv], dim=1)
 
 
-def run_provider(name, q, k, v, causal):
+@functools.cache
+def flex_block_mask(n, causal, window):
+    """FlexAttention's block mask of a causal or windowed mask over n tokens, made once a shape."""
+    from torch.nn.attention.flex_attention import create_block_mask
+
+    def visible(b, h, q_idx, kv_idx):
+        seen = (kv_idx <= q_idx) if causal else (kv_idx >= 0)
+        return seen & (q_idx - kv_idx <= window) if window >= 0 else seen
+    return create_block_mask(visible, None, None, n, n, device="cuda")
+
+
+@functools.cache
+def compiled_flex():
+    from torch.nn.attention.flex_attention import flex_attention
+    return torch.compile(flex_attention)
+
+
+def run_provider(name, q, k, v, causal, window=-1):
+    """One call of a provider; window: the left side of a sliding window (-1: none). sdpa's kernels
+    take no window (the sdpa backend's bool mask would time the mask, not the kernel): a
+    RuntimeError, which bench_grid reports as unsupported."""
+    grouped = q.shape[1] != k.shape[1]
     if name in SDPA_BACKENDS:
+        if window >= 0:
+            raise RuntimeError(f"{name} takes no sliding window")
         with sdpa_kernel(SDPA_BACKENDS[name]):
-            return F.scaled_dot_product_attention(q, k, v, is_causal=causal)
-    return attention(q, k, v, is_causal=causal, backend=name)
+            return F.scaled_dot_product_attention(q, k, v, is_causal=causal, enable_gqa=grouped)
+    if name == "flex":
+        return compiled_flex()(q, k, v, block_mask=flex_block_mask(q.shape[2], causal, window), enable_gqa=grouped)
+    return attention(q, k, v, is_causal=causal, backend=name, window_size=(window, 0 if causal else -1))
+
+
+def visible_pairs(n, causal, window):
+    """The (query, key) pairs a mask over n tokens leaves, as the FlashAttention-2 paper counts
+    them: n^2, half of it causal; with a window of left side w (causal), each query i sees
+    min(i, w) + 1 keys, counted exactly."""
+    if window < 0:
+        return n * n / (2 if causal else 1)
+    m = min(window, n - 1)
+    return (m + 1) * (m + 2) / 2 + (n - 1 - m) * (window + 1)
 
 
 def flops(shape, mode):
-    fwd = 4 * shape["B"] * shape["H"] * shape["N"] ** 2 * shape["D"] / (2 if shape["causal"] else 1)
+    fwd = 4 * shape["B"] * shape["H"] * shape["D"] * visible_pairs(shape["N"], shape["causal"], shape.get("window", -1))
     return {"fwd": fwd, "bwd": 2.5 * fwd, "fwd+bwd": 3.5 * fwd}[mode]
 
 
@@ -236,13 +284,14 @@ def time_mode(name, shape, mode):
     stream = torch.cuda.Stream()
     with torch.cuda.stream(stream):
         qkv, q, k, v = make_inputs(shape, requires_grad=mode != "fwd")
+        call = functools.partial(run_provider, name, q, k, v, shape["causal"], window=shape.get("window", -1))
         if mode == "fwd":
-            fn = lambda: run_provider(name, q, k, v, shape["causal"])
+            fn = call
         else:
             do = torch.randn(q.shape, device=q.device, dtype=q.dtype)
-            o = run_provider(name, q, k, v, shape["causal"])
+            o = call()
             fn = (lambda: torch.autograd.grad(o, qkv, do, retain_graph=True)) if mode == "bwd" else \
-                 (lambda: torch.autograd.grad(run_provider(name, q, k, v, shape["causal"]), qkv, do))
+                 (lambda: torch.autograd.grad(call(), qkv, do))
         wall = triton.testing.do_bench(fn, warmup=max(config.rep_ms // 4, 5), rep=config.rep_ms,
                                        return_mode="median")
     return (*replayed_ms(fn, stream, config.rep_ms), wall)
@@ -253,11 +302,18 @@ def tuner_choice(shape):
     the Hopper Gluon kernel where it serves the shape, else the config the tuner chose (the
     kernel's best_config, its last call's, which was at this shape)."""
     _, q, k, _ = make_inputs(shape, requires_grad=False)
-    left, right = UNBOUNDED, 0 if shape["causal"] else UNBOUNDED
+    left, right = window_bounds(shape["causal"], (shape.get("window", -1), -1))
     return dict(fwd="Gluon (Hopper)" if hopper_forward.serves(q, k, left, right) else
                 launch.config_name(_attn_fwd.best_config),
                 bwd="Gluon (Hopper)" if hopper_backward.serves(q, k, left, right) else
                 launch.config_name(_attn_bwd.best_config))
+
+
+def shape_label(shape):
+    """B x H x N x D and the mask, with the kv heads and the window where the shape has them."""
+    label = f"{shape['B']}x{shape['H']}x{shape['N']}x{shape['D']} {'causal' if shape['causal'] else 'full'}"
+    label += f" kv heads {shape['H_kv']}" if "H_kv" in shape else ""
+    return label + (f" window {shape['window']}" if shape.get("window", -1) >= 0 else "")
 
 
 def shape_summary(shape, rows):
@@ -268,7 +324,7 @@ def shape_summary(shape, rows):
         if "triton" in ms and peer in ms else "–"
     triton_row = next((r for r in rows if r["provider"] == "triton" and "tuner" in r), None)
     chosen = f"fwd {triton_row['tuner']['fwd']}, bwd {triton_row['tuner']['bwd']}" if triton_row else "–"
-    return (f"  {shape['B']}x{shape['H']}x{shape['N']}x{shape['D']} {'causal' if shape['causal'] else 'full'}: "
+    return (f"  {shape_label(shape)}: "
             f"triton vs FA2 {ratios('sdpa_flash')} | vs cuDNN {ratios('sdpa_cudnn')} | tuner: {chosen}")
 
 
@@ -298,7 +354,9 @@ def bench_grid(grid, shapes, providers):
                                     if row[m]["host_bound"] else "")
             perf = "  ".join(f"{m} {row[m]['tflops']:6.1f} ({tflops_of_peak(row[m]['tflops']):>4} of peak)"
                              + host_bound(m) for m in MODES) if row["status"] == "ok" else row["status"]
-            print(f"N={shape['N']:<6} D={shape['D']:<4} {'causal' if shape['causal'] else 'full  '} {name:<15} {perf}",
+            extra = (f" kv {shape['H_kv']}" if "H_kv" in shape else "") + \
+                (f" window {shape['window']}" if shape.get("window", -1) >= 0 else "")
+            print(f"N={shape['N']:<6} D={shape['D']:<4} {'causal' if shape['causal'] else 'full  '}{extra} {name:<15} {perf}",
                   flush=True)
         print(shape_summary(shape, shape_rows), flush=True)
         rows += shape_rows
@@ -326,6 +384,33 @@ def grid_tables(rows, providers):
                                                         for p in providers)
                                  + f" | {ratio('sdpa_flash')} | {ratio('sdpa_cudnn')} | {chosen} |")
                 lines.append("")
+    return "\n".join(lines)
+
+
+def masks_table(rows):
+    """Markdown: each provider's GPU ms (and spread) per mask, forward and forward+backward, then
+    what the masks save: causal's time over the 1,024-key window's, 16 kv heads' over 4's."""
+    ok = [r for r in rows if r["status"] == "ok"]
+    lines = ["| shape | provider | fwd ms | fwd+bwd ms |", "|---|---|---|---|"]
+    for r in rows:
+        cells = [f"{r[m]['ms']:.3f} ({r[m]['spread_ms'][0]:.3f}-{r[m]['spread_ms'][1]:.3f})" for m in ("fwd", "fwd+bwd")] \
+            if r["status"] == "ok" else [r["status"], ""]
+        lines.append(f"| {shape_label(r)} | {r['provider']} | {cells[0]} | {cells[1]} |")
+    ms = lambda provider, mode, **shape: next((r[mode]["ms"] for r in ok if r["provider"] == provider and all(
+        r.get(key, -1 if key == "window" else r["H"]) == value for key, value in shape.items())), None)
+    lines.append("")
+    for provider in dict.fromkeys(r["provider"] for r in ok):
+        for mode in ("fwd", "fwd+bwd"):
+            saved = []
+            for D in (64, 128):
+                causal, window = ms(provider, mode, D=D, N=16384, window=-1), ms(provider, mode, D=D, N=16384, window=1024)
+                if causal and window:
+                    saved.append(f"window 1k at N 16k, D {D}: {causal / window:.1f}x faster than causal")
+            mha, gqa = ms(provider, mode, N=4096, H_kv=16), ms(provider, mode, N=4096, H_kv=4)
+            if mha and gqa:
+                saved.append(f"16 over 4 kv heads: {mha / gqa:.2f}x the speed of 16 over 16")
+            if saved:
+                lines.append(f"- {provider} {mode}: " + "; ".join(saved))
     return "\n".join(lines)
 
 
@@ -833,6 +918,10 @@ def main():
                 rows += bench_grid(grid, shapes, providers)
                 write("attention", rows, grid_tables(rows, providers))  # after each grid: a cut run keeps it
                 plot_grid(rows, grid, os.path.join(config.out, f"attention_{grid}.png"))
+        if config.grid in ("masks", "all"):
+            masks = bench_grid("masks", masks_grid(config.quick), providers)
+            print(masks_table(masks))
+            write("masks", masks, masks_table(masks))
     print(f"wrote {config.out}/")
 
 

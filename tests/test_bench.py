@@ -1,7 +1,8 @@
 """bench.py on the CPU, its GPU work replaced by recorders: each rung of the ladder launches its
 own tile config (a closure reading the loop variable late would time the last one at every
 rung), every TFLOP/s figure is printed beside the fraction of the card's peak it reached, each
-row of the host mode runs the backend it names, and the host mode runs without a GPU."""
+row of the host mode runs the backend it names, the host mode runs without a GPU, and the masks
+grid runs each shape at the window and kv heads it names."""
 import json
 import re
 import sys
@@ -233,7 +234,7 @@ def test_the_grid_reports_gpu_time_and_flags_a_host_bound_row(bench, monkeypatch
         return qkv, *qkv.transpose(1, 2).split([1, 1, 1], dim=1)
     timed = []
     monkeypatch.setattr(bench, "make_inputs", inputs)
-    monkeypatch.setattr(bench, "run_provider", lambda name, q, k, v, causal: Recorded.calls.append(name)
+    monkeypatch.setattr(bench, "run_provider", lambda name, q, k, v, causal, window: Recorded.calls.append(name)
                         or Recorded.apply(q, k, v))
     monkeypatch.setattr(bench.triton.testing, "do_bench", timer("wall", wall_ms, timed))
     graphed = timer("gpu", 0.2, timed)
@@ -250,3 +251,49 @@ def test_the_grid_reports_gpu_time_and_flags_a_host_bound_row(bench, monkeypatch
     line = next(line for line in capsys.readouterr().out.splitlines() if line.startswith("N="))
     assert line.startswith("N=4096   D=64   causal sdpa_cudnn      fwd  687.2 ( 69% of peak)")  # 0.2 ms, not wall_ms
     assert line.count(f"[host-bound: wall {wall_ms:.3f} ms, GPU 0.200]") == (3 if host_bound else 0), line
+
+
+@pytest.mark.parametrize("n, window", [(1, 0), (9, 0), (9, 3), (9, 8), (9, 40), (100, 31)])
+def test_a_windows_flops_count_the_pairs_its_mask_leaves(bench, n, window):
+    from attention.masks import visible_keys
+    assert bench.visible_pairs(n, True, window) == visible_keys((n, n, window, 0)).sum().item()
+
+
+def test_the_masks_grid_runs_each_provider_at_the_window_and_kv_heads_it_names(bench, monkeypatch):
+    """Each masks-grid shape goes to attention() with its window and its kv heads (q, k, v on the
+    CPU here, the call recorded, not run); sdpa's kernels refuse a window, which the grid reports
+    as unsupported."""
+    calls = []
+    monkeypatch.setattr(bench, "attention", lambda q, k, v, is_causal, backend, window_size:
+                        calls.append((backend, q.shape[1], k.shape[1], is_causal, window_size)))
+    expected = []
+    for shape in bench.masks_grid(quick=False):
+        H, H_kv = shape["H"], shape.get("H_kv", shape["H"])
+        q, k, v = torch.zeros(1, H, 4, 8), torch.zeros(1, H_kv, 4, 8), torch.zeros(1, H_kv, 4, 8)
+        bench.run_provider("triton", q, k, v, shape["causal"], window=shape.get("window", -1))
+        expected.append(("triton", H, H_kv, True, (shape.get("window", -1), 0)))
+        if shape.get("window", -1) >= 0:
+            with pytest.raises(RuntimeError, match="takes no sliding window"):
+                bench.run_provider("sdpa_flash", q, k, v, True, window=shape["window"])
+    assert calls == expected
+    assert {(s["D"], s.get("window", -1)) for s in bench.masks_grid(False) if s["N"] == 16384} == \
+        {(64, -1), (64, 1024), (128, -1), (128, 1024)}
+    assert {s.get("H_kv") for s in bench.masks_grid(False) if s["N"] == 4096} == {16, 4}
+
+
+def test_the_masks_table_gives_what_each_mask_saves(bench):
+    def row(provider, fwd, both, **shape):
+        return dict(shape, provider=provider, status="ok", causal=True,
+                    **{m: dict(ms=ms, spread_ms=(ms, ms)) for m, ms in (("fwd", fwd), ("fwd+bwd", both))})
+    rows = [row("triton", 4.0, 12.0, B=1, H=32, N=16384, D=64, window=-1),
+            row("triton", 0.5, 2.0, B=1, H=32, N=16384, D=64, window=1024),
+            row("triton", 0.3, 1.0, B=4, H=16, H_kv=16, N=4096, D=64),
+            row("triton", 0.4, 1.0, B=4, H=16, H_kv=4, N=4096, D=64),
+            dict(provider="sdpa_flash", status="unsupported: sdpa_flash takes no sliding window", B=1, H=32, N=16384,
+                 D=64, causal=True, window=1024)]
+    table = bench.masks_table(rows)
+    assert "| 1x32x16384x64 causal window 1024 | triton | 0.500 (0.500-0.500) | 2.000 (2.000-2.000) |" in table
+    assert "| 1x32x16384x64 causal window 1024 | sdpa_flash | unsupported: sdpa_flash takes no sliding window |" in table
+    assert ("- triton fwd: window 1k at N 16k, D 64: 8.0x faster than causal; 16 over 4 kv heads: 0.75x the speed "
+            "of 16 over 16") in table
+    assert "- triton fwd+bwd: window 1k at N 16k, D 64: 6.0x faster than causal; 16 over 4 kv heads: 1.00x" in table
