@@ -108,28 +108,21 @@ CASES = [(((1, 2, 100, 32), 77, None, True, (-1, -1)), "cp.async"),
          (((1, 2, 100, 16), 20, None, False, (3, 2)), "TMA")]    # rows that see no key
 FORWARD_TILES = {"cp.async": triton.Config(dict(BLOCK_M=16, BLOCK_N=16, USE_TMA=False), num_warps=4, num_stages=2),
                  "TMA": triton.Config(dict(BLOCK_M=32, BLOCK_N=16, USE_TMA=True), num_warps=4, num_stages=2)}
-BACKWARD_TILES = {"cp.async": triton.Config(dict(BLOCK_M=16, BLOCK_N=16, DKDV_BLOCK_M=16, USE_TMA=False),
-                                            num_warps=4, num_stages=2),
-                  "TMA": triton.Config(dict(BLOCK_M=32, BLOCK_N=32, DKDV_BLOCK_M=16, USE_TMA=True), num_warps=4,
-                                       num_stages=2)}
-
-
-@pytest.mark.parametrize("case,loads", CASES)
-def test_key_loop_runs_the_forward_kernel(step, case, loads):
-    step("mine.key_loop")
-    shape_q, n_k, h_kv, causal, window = case
-    q, k, v = (t.detach() for t in random_qkv(shape_q, n_k, h_kv, seed=n_k))
-    o, lse = triton_forward.flash_forward(q, k, v, causal, window, config=FORWARD_TILES[loads])
-    o_ref, lse_ref = eager_attention_with_lse(q.double(), k.double(), v.double(), causal, window)
-    assert_all_close([("kernel O", o, o_ref), ("kernel lse", lse, lse_ref)], TOL)
+# Both backward schedules: the split one (dQ by the repo's own programs) and the atomic one (dQ
+# added by your loop).
+BACKWARD_TILES = {"cp.async": triton_backward.split(16, 16, 16, 4, 2),
+                  "TMA": triton_backward.split(32, 32, 16, 4, 2, tma=True),
+                  "atomic dQ": triton_backward.atomic(16, 16, 4, 2)}
+BACKWARD_CASES = CASES + [(case, "atomic dQ") for case, _ in CASES]
 
 
 # ---------------------------------------------------------------- step 4: the backward kernel's dK/dV loop
 
 
-@pytest.mark.parametrize("case,loads", CASES)
+@pytest.mark.parametrize("case,loads", BACKWARD_CASES)
 def test_dkdv_loop_runs_the_backward_kernel(step, case, loads):
-    """O and lse from the reference, so that only the backward is on trial; dQ is the repo's job."""
+    """O and lse from the reference, so that only the backward is on trial; dQ is the repo's job
+    under the split schedule and partly yours under the atomic one."""
     step("mine.dkdv_loop")
     shape_q, n_k, h_kv, causal, window = case
     q, k, v = random_qkv(shape_q, n_k, h_kv, seed=n_k)
