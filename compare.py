@@ -36,14 +36,22 @@ from tqdm import tqdm
 from training.config import (BACKENDS, CONFIG_NAME, EXIT_ERROR, EXIT_OUT_OF_MEMORY, METRICS_NAME, TRITON_BACKENDS,
                              ConfigError, TrainConfig, check_config, check_folder, describe, join_overrides,
                              parse_config)
-from training.profiling import CATEGORIES, read_profile
+from training.profiling import CATEGORIES, PROFILE_NAME, read_profile
 from training.run_files import EVAL_KEYS, LOG_KEYS, RunFileError, read_metrics, read_run_config
 
 TRAIN_SCRIPT = os.path.join(os.path.dirname(os.path.abspath(__file__)), "train.py")
 SET_PER_RUN = {"attn": "--backends", "out_dir": "--out"}  # train.py keys compare.py sets itself
-# The config.json keys the report reads (describe_setup).
-SETUP_KEYS = ("attn", "n_layer", "n_head", "n_embd", "block_size", "batch_size", "gradient_accumulation_steps",
-              "tokens_per_iter", "max_iters", "seed", "gpu", "device", "dtype")
+# The config.json keys the report reads (describe_setup), each with the types train.py writes.
+SETUP_KEYS = {**dict.fromkeys(("attn", "device", "dtype"), (str,)), "gpu": (str, type(None)),
+              **dict.fromkeys(("n_layer", "n_head", "n_embd", "block_size", "batch_size", "gradient_accumulation_steps",
+                               "tokens_per_iter", "max_iters", "seed"), (int,))}
+# A metrics record's values by key, where not a number: what the report and its figure compute with.
+RECORD_TYPES = {"iter": (int,), "warmup": (bool,), "mfu": (int, float, type(None)),
+                "peak_mem_mb": (int, float, type(None))}
+# profile.json's values the report reads, besides each category's ms (training/profiling.py writes them).
+PROFILE_TYPES = {"device": (str,), "steps": (int,), "step_ms": (int, float), "peak_mem_mb": (int, float, type(None)),
+                 "attention_saved_mb": (int, float, type(None))}
+TYPE_NAMES = {str: "a string", int: "an int", float: "a float", bool: "a bool", type(None): "None"}
 # Settings that may differ between runs compared step for step: the backend, and where a run logs.
 MAY_DIFFER = {"attn", "out_dir", "init_from", "overwrite", "wandb_log", "wandb_project", "wandb_run_name"}
 PROGRESS_LINE = re.compile(r"iter (\d+): loss (\S+),")  # train.py's log lines
@@ -93,6 +101,8 @@ def check_compare_config(config, passed_on):
     if config.compile_both and any(arg.startswith("--compile=") for arg in passed_on):
         raise ConfigError("--compile: compile_both=True trains every backend both ways; give one or the other")
     check_folder("out", config.out, writable=True)
+    if config.from_runs and not split_list(config.from_runs):
+        raise ConfigError(f"from_runs={config.from_runs!r}: expected the out_dirs of train.py runs, comma-separated")
     for out_dir in split_list(config.from_runs):
         check_finished_run(out_dir)
     for arg in passed_on:
@@ -120,6 +130,9 @@ def check_finished_run(out_dir):
     missing = [key for key in SETUP_KEYS if key not in run_config] if isinstance(run_config, dict) else ["all"]
     if missing:
         raise ConfigError(f"from_runs: {config_path} is not a train.py config.json (it lacks {', '.join(missing)})")
+    for key, kinds in SETUP_KEYS.items():
+        if type(run_config[key]) not in kinds:
+            raise ConfigError(f"from_runs: {config_path} has {key}={run_config[key]!r}, expected {type_names(kinds)}")
     if not any("loss" in record for record in records):
         raise ConfigError(f"from_runs: {metrics_path} holds no log records; expected the metrics of a train.py run")
     for record in records:
@@ -127,6 +140,36 @@ def check_finished_run(out_dir):
         if not set(keys) <= record.keys():
             raise ConfigError(f"from_runs: {metrics_path} has a record without {', '.join(set(keys) - record.keys())}"
                               " (a train.py of another version?): " + repr(record)[:80])
+        for key in keys:
+            kinds = RECORD_TYPES.get(key, (int, float))
+            if type(record[key]) not in kinds:
+                raise ConfigError(f"from_runs: {metrics_path} has a record with {key}={record[key]!r}, expected "
+                                  f"{type_names(kinds) if key in RECORD_TYPES else 'a number'}: " + repr(record)[:80])
+    check_profile(out_dir)
+
+
+def type_names(kinds):
+    return " or ".join(TYPE_NAMES[kind] for kind in kinds)
+
+
+def check_profile(out_dir):
+    """A ConfigError unless out_dir's profile.json, where there is one, holds what compare.md's
+    profile table and profile.png read."""
+    path = os.path.join(out_dir, PROFILE_NAME)
+    try:
+        profile = read_profile(out_dir)
+    except (OSError, ValueError) as e:  # json's errors are ValueErrors
+        raise ConfigError(f"from_runs: {path} cannot be read ({type(e).__name__}: {e})") from None
+    if profile is None:
+        return
+    if not isinstance(profile, dict) or not isinstance(profile.get("ms"), dict):
+        raise ConfigError(f"from_runs: {path} is not a train.py profile: it has no ms, the time of each category")
+    missing = [category for category in CATEGORIES if type(profile["ms"].get(category)) not in (int, float)]
+    if missing:
+        raise ConfigError(f"from_runs: {path} is not a train.py profile: its ms lacks {missing[0]} (a number)")
+    for key, kinds in PROFILE_TYPES.items():
+        if type(profile.get(key)) not in kinds:
+            raise ConfigError(f"from_runs: {path} has {key}={profile.get(key)!r}, expected {type_names(kinds)}")
 
 
 def parse_args(argv):

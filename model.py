@@ -21,6 +21,8 @@ import torch.nn as nn
 import torch.nn.functional as F
 
 from attention import BACKENDS, attention, decode_attention, store_in_cache
+from attention.decode import check_position
+from attention.cuda_graph import capture_graph
 
 # torch.profiler ranges that training/profiling.py sorts a step's time by.
 ATTENTION_RANGE = "attention"
@@ -71,10 +73,12 @@ class GPTConfig:
         return math.ceil(self.vocab_size / 64) * 64
 
 
-def check_token_ids(name, ids, vocab_size):
-    """A ValueError naming ids when one lies outside [0, vocab_size): the embedding would read
-    outside its table, on the CPU an IndexError, on a GPU a device-side assert that kills the
-    process with no word on which input was wrong. Reading the ids' range is a host sync, which
+def check_token_ids(name, ids, vocab_size, lowest=0):
+    """A ValueError naming ids when one lies outside [lowest, vocab_size): the embedding (or the
+    loss, for targets, where lowest=-1 is the position the loss leaves out) would read outside
+    its table, on the CPU an IndexError, on a GPU a device-side assert that kills the process
+    with no word on which input was wrong; a target among the padding ids would score silently
+    against an untrained logit. Reading the ids' range is a host sync, which
     torch.compile cannot trace and a CUDA graph capture refuses: inside those the check is left
     out (the compiled or captured step reads the ids its caller checked or drew itself, as
     StaticDecoder's draws are)."""
@@ -83,9 +87,9 @@ def check_token_ids(name, ids, vocab_size):
     if ids.numel() == 0:
         return
     low, high = torch.stack(torch.aminmax(ids)).tolist()
-    if low < 0 or high >= vocab_size:
-        raise ValueError(f"{name} holds token id {low if low < 0 else high}, outside the model's vocabulary "
-                         f"[0, {vocab_size})")
+    if low < lowest or high >= vocab_size:
+        raise ValueError(f"{name} holds token id {low if low < lowest else high}, outside the model's vocabulary "
+                         f"[0, {vocab_size})" + (" (or -1, a position left out of the loss)" if lowest == -1 else ""))
 
 
 class KVCache:
@@ -139,6 +143,7 @@ class StaticDecoder:
         self.token = torch.zeros(batch, 1, dtype=torch.long, device=device)
         self.pos = torch.zeros(1, dtype=torch.long, device=device)
         self.drawn = torch.zeros(batch, cache.block_size, dtype=torch.long, device=device)
+        self.graphed = device.type == "cuda"  # captured at the first decode, then replayed
         self.graph = None
 
     def step(self):
@@ -156,7 +161,7 @@ class StaticDecoder:
             raise ValueError(f"{n_tokens} tokens after {start} cached exceed block_size={self.drawn.shape[1]}")
         self.token.copy_(token)
         self.pos.fill_(start)  # the value goes in as a kernel argument: no host-to-device copy
-        if self.cache.device.type == "cuda" and self.graph is None:
+        if self.graphed and self.graph is None:
             self.capture()
         for _ in range(n_tokens):
             if self.graph is None:
@@ -167,29 +172,29 @@ class StaticDecoder:
         return self.drawn[:, start:start + n_tokens].clone()
 
     def capture(self):
-        """Warm up on a side stream (compiling and Triton's loading may not happen during
-        capture), then record one step. Each warm-up step starts from the saved token and pos,
-        and draws on a forked RNG, so the replays write and draw what uncaptured steps would.
-        Autocast's cache of cast weights would be freed under a graph that still reads it, so
-        bf16 generation casts the weights once beforehand (training/devices.py's
+        """Record one step (attention.cuda_graph.capture_graph) after two warm-up steps
+        (compiling and Triton's loading may not happen during capture). Each warm-up step starts
+        from the saved token and pos, and draws on a forked RNG, so the replays write and draw what
+        uncaptured steps would. Autocast's cache of cast weights would be freed under a graph that
+        still reads it, so bf16 generation casts the weights once beforehand (training/devices.py's
         generation_precision) and only float16's keeps autocast, uncached."""
         autocast = dict(device_type="cuda", dtype=torch.get_autocast_dtype("cuda"),
                         enabled=torch.is_autocast_enabled("cuda"), cache_enabled=False)
         token, pos = self.token.clone(), self.pos.clone()
-        with torch.autocast(**autocast):
-            side = torch.cuda.Stream()
-            side.wait_stream(torch.cuda.current_stream())
-            with torch.cuda.stream(side), torch.random.fork_rng(devices=[self.token.device]):
-                for _ in range(2):
-                    self.token.copy_(token)
-                    self.pos.copy_(pos)
-                    self.step()
-            torch.cuda.current_stream().wait_stream(side)
+
+        def restart():
             self.token.copy_(token)
             self.pos.copy_(pos)
-            self.graph = torch.cuda.CUDAGraph()
-            with torch.cuda.graph(self.graph):
-                self.step()
+
+        def warm_up():
+            with torch.random.fork_rng(devices=[self.token.device]):
+                for _ in range(2):
+                    restart()
+                    self.step()
+            restart()
+
+        with torch.autocast(**autocast):
+            self.graph, _ = capture_graph(self.step, warm_up)
 
 
 class CausalSelfAttention(nn.Module):
@@ -325,6 +330,8 @@ class GPT(nn.Module):
         if cache is not None and cache.batch_size != B:
             raise ValueError(f"idx has batch {B} but the cache was made for batch {cache.batch_size}")
         check_token_ids("idx", idx, self.config.vocab_size)
+        if targets is not None:
+            check_token_ids("targets", targets, self.config.vocab_size, lowest=-1)
         pos = torch.arange(start, start + T, device=idx.device)
         x = self.hidden_states(idx, pos, cache)
         if cache is not None:
@@ -350,6 +357,7 @@ class GPT(nn.Module):
         out there), and every tensor has the same shape at every step: this is what
         compile_decode_step compiles and CUDA graphs replay."""
         check_token_ids("token", token, self.config.vocab_size)
+        check_position(pos, token.device, cache.block_size)  # before the position embedding reads it
         return self.lm_head(self.hidden_states(token, pos, cache))
 
     def compile_decode_step(self, backend="inductor"):
@@ -408,6 +416,14 @@ class GPT(nn.Module):
         positions move every cached key). kv_cache=False feeds the whole context every step.
         Both show the model the same tokens at the same positions, so greedy decoding gives the
         same tokens either way."""
+        if idx.size(1) == 0:
+            raise ValueError(f"idx has no tokens (shape {tuple(idx.shape)}): generate continues a prompt of at least "
+                             "one token")
+        if not (isinstance(temperature, (int, float)) and 0 < temperature < math.inf):
+            raise ValueError(f"temperature={temperature!r}: expected a finite float > 0 (for greedy decoding pass "
+                             "top_k=1)")
+        if top_k is not None and not (type(top_k) is int and top_k >= 1):
+            raise ValueError(f"top_k={top_k!r}: expected None (every token) or an int >= 1")
         block_size, vocab_size = self.config.block_size, self.config.vocab_size
         decoder = self.reusable_decoder(idx.size(0), idx.device, temperature, top_k) if kv_cache else None
         new_tokens = 0

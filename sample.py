@@ -90,8 +90,9 @@ def can_run(attn, model_args):
 def benchmark(model_args, state, prompt_ids, device, dtype):
     """Decode tokens/s of each backend with and without the KV cache, and where the model has
     grouped-query heads (G query heads a kv head), of the same shape with G = 1 (random weights:
-    the time does not depend on them). On a GPU an untimed run of the same length goes first
-    (Triton tunes for every context length); on the CPU a few tokens."""
+    the time does not depend on them). On a GPU an untimed run of the same length goes first: it
+    compiles, tunes (once a power-of-two bucket of the context length, launch.length_bucket) and
+    makes each length's launch plan; on the CPU a few tokens."""
     backends = [b for b in BACKENDS if can_run(b, model_args) and (device.type == "cuda" or b not in TRITON_BACKENDS)]
     backends = backends if config.attn == "checkpoint" else [config.attn]
     models = [(model_args, state)]

@@ -26,12 +26,18 @@ Read the files in this order (docs/learn.md walks the same path):
   triton_backward.py     the backward kernels: delta, then both passes in one launch
   triton_ops.py          FlashAttentionTriton: the kernels as an autograd.Function
   launch.py              the host side: layouts, configs that fit a card, tuning, the consumer-card switch
+  launch_plan.py         a layout seen before, launched straight from its compiled kernel (eager host time)
+  cuda_graph.py          capture_graph: a step recorded once as a CUDA graph (decoding, training, bench.py)
   recompute_backward.py  triton_fwd's backward, the step before the FlashAttention-2 backward
   decode.py              decode_attention: one new token against a KV cache, every backend
   triton_decode.py       its Triton kernel
   inputs.py, sdpa.py     the input checks; torch's own attention
   backends.py            the backends' table, which attention() and decode_attention() dispatch through
   hopper/                the forward and backward for Hopper, warp-specialised in Gluon
+
+Reproducible gradients: the triton backend's backward may add dQ up with atomics (FlashAttention-2's
+schedule, where the tuner finds it faster), whose last bits differ run to run; under
+torch.use_deterministic_algorithms(True) it keeps its split schedule, the same bits every run.
 
 This package needs only torch, triton and einops. Without a GPU the Triton kernels run in
 Triton's interpreter (numpy), so CPU users and CI exercise the real kernel source (_setup.py

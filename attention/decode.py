@@ -14,7 +14,7 @@ values, NaN).
 Why the whole cache and a position on the device, rather than k_cache[:, :, :n]: the step has
 the same shapes whatever the cache holds, so torch.compile compiles it once, a CUDA graph can
 replay it, and no backend meets a new shape at each token. The triton backend stores the token
-inside its kernel (triton_decode.py: split-KV, Flash-Decoding); the others store with
+inside its kernel (triton_decode.py: split-KV, Flash-Decoding, one launch); the others store with
 index_copy_, then mask, tiled as that kernel's twin.
 decode_attention (attention/__init__.py) checks its inputs here (check_decode_inputs) and calls
 the backend's function below, as backends.py's table names it, with the window's left side.
@@ -26,6 +26,7 @@ import torch.nn.functional as F
 
 from .eager import masked_attention_with_lse
 from .inputs import check_inputs, check_tensor, check_triton_inputs
+from .masks import visible_in_tile
 from .tiled import online_softmax_update
 from .triton_decode import split_plan, split_rows, triton_decode_attention
 
@@ -48,6 +49,13 @@ def check_decode_inputs(q, k, v, k_cache, v_cache, pos, window_size):
         if cache.dtype != q.dtype or cache.device != q.device:
             raise ValueError(f"{name} is {cache.dtype} on {cache.device} but q is {q.dtype} on {q.device}; the "
                              "cache stores the projection's keys and values as they are")
+        # torch's own test for memory a write would share (index_copy_'s): stride 0 along a dim
+        # of more than one element. The triton kernel would store every sequence's token on the one row.
+        shared = [dim for dim in range(4) if cache.stride(dim) == 0 and cache.shape[dim] > 1]
+        if shared:
+            raise ValueError(f"{name} has rows that share memory (stride 0 along dim {shared[0]}, as expand() makes): "
+                             f"a step stores each sequence's token in rows of its own; allocate the cache whole, or "
+                             f"pass {name}.contiguous()")
     if v_cache.shape != k_cache.shape:
         raise ValueError(f"v_cache has shape {tuple(v_cache.shape)} but k_cache has {tuple(k_cache.shape)}")
     check_position(pos, q.device, k_cache.shape[2])
@@ -78,9 +86,11 @@ def store_in_cache(k, v, k_cache, v_cache, pos):
 
 
 def cached_keys(pos, left, n_cache):
-    """(1, 1, 1, S) bool: the cached keys a query at pos sees, [pos - left, pos]."""
+    """(1, 1, 1, S) bool: the cached keys a query at pos sees once its own key is stored, [pos -
+    left, pos]: masks.py's rule for a query at row pos over the pos + 1 keys up to its own (the
+    Triton kernel's is the same query over the pos keys before it, its own in registers)."""
     rows = torch.arange(n_cache, device=pos.device)
-    return ((rows <= pos) & (rows >= pos - left)).view(1, 1, 1, n_cache)
+    return visible_in_tile(pos, rows, (pos + 1, pos + 1, left, 0)).view(1, 1, 1, n_cache)
 
 
 def eager_decode_attention(q, k, v, k_cache, v_cache, pos, left):
@@ -94,6 +104,8 @@ def eager_decode_attention(q, k, v, k_cache, v_cache, pos, left):
 def tiled_decode_attention(q, k, v, k_cache, v_cache, pos, left):
     """The tiled backend's decoding step: Flash-Decoding in PyTorch, split as the kernel splits
     the cache (triton_decode.split_plan)."""
+    if q.shape[0] == 0:  # no sequence: nothing to store or split (the planner counts programs per SM)
+        return q.new_empty(q.shape)
     return tiled_split_kv_decode(q, k, v, k_cache, v_cache, pos, left, *split_plan(k_cache))
 
 
@@ -160,4 +172,6 @@ def triton_kernel_decode_attention(q, k, v, k_cache, v_cache, pos, left):
     if torch.is_grad_enabled() and any(t.requires_grad for t in (q, k, v, k_cache, v_cache)):
         raise ValueError("decode_attention with the triton backends computes no gradient: call it under "
                          "torch.no_grad() (generation), or use eager, tiled or sdpa for gradients")
+    if q.shape[0] == 0:  # no sequence: nothing to store or split (the planner counts programs per SM)
+        return q.new_empty(q.shape)
     return triton_decode_attention(q, k, v, k_cache, v_cache, pos, left)

@@ -16,20 +16,22 @@ def check_inputs(q, k, v, is_causal, window_size=(-1, -1)):
         if t.dim() != q.dim() or t.dim() < 2:
             raise ValueError(f"{name} must have shape (..., N, D) with at least 2 dims and as many as q, got shape "
                              f"{tuple(t.shape)} (q {tuple(q.shape)})")
-    if q.shape[-1] == 0:
+    q_shape, k_shape = q.shape, k.shape  # each .shape makes a new torch.Size: read once (a call's host time)
+    if q_shape[-1] == 0:
         raise ValueError(f"q has head dim D=0 (shape {tuple(q.shape)}); the head dim must be at least 1")
     check_mask(is_causal, window_size)
     for name, t in (("k", k), ("v", v)):
-        if t.shape[:-3] != q.shape[:-3] or t.shape[-1] != q.shape[-1]:
+        t_shape = t.shape
+        if t_shape[:-3] != q_shape[:-3] or t_shape[-1] != q_shape[-1]:
             raise ValueError(f"{name} {tuple(t.shape)} must match q {tuple(q.shape)} in its leading dims and head "
                              "dim (..., H, N, D); broadcasting is not supported")
         if t.dtype != q.dtype:
             raise ValueError(f"{name} has dtype {t.dtype} but q has {q.dtype}; q, k and v must share one dtype")
         if t.device != q.device:
             raise ValueError(f"{name} is on {t.device} but q is on {q.device}; q, k and v must share one device")
-    if v.shape != k.shape:
+    if v.shape != k_shape:
         raise ValueError(f"v has shape {tuple(v.shape)} but k has {tuple(k.shape)}; they must match")
-    if q.dim() > 2 and (k.shape[-3] == 0 or q.shape[-3] % k.shape[-3]):
+    if q.dim() > 2 and (k_shape[-3] == 0 or q_shape[-3] % k_shape[-3]):
         raise ValueError(f"k and v have {k.shape[-3]} heads (dim -3), which must divide q's {q.shape[-3]}: query "
                          f"head h reads kv head h // (H / H_kv) (grouped-query attention)")
 
@@ -55,7 +57,7 @@ def check_tensor(name, t):
         raise ValueError(f"{name} must be a floating-point tensor, got dtype {t.dtype}")
     if t.dtype not in DTYPES:
         raise ValueError(f"{name} has dtype {t.dtype}; attention takes {', '.join(map(str, DTYPES))}")
-    if t.device.type == "meta":
+    if t.is_meta:
         raise ValueError(f"{name} is on {t.device}, a device that holds no data; attention needs tensors with "
                          "values (on the CPU or a GPU)")
 

@@ -36,8 +36,11 @@ TIMED_CONFIGS = 3  # a kernel's configs are listed best first; the tuner times t
 
 
 def as_4d(t):
-    """(..., H, N, D) -> a (B, H, N, D) view (a copy only when the leading dims cannot be viewed).
-    B is counted, not inferred (-1): with an empty dim anywhere, -1 could be any size."""
+    """(..., H, N, D) -> a (B, H, N, D) view (a copy only when the leading dims cannot be viewed);
+    a 4-D tensor as it is. B is counted, not inferred (-1): with an empty dim anywhere, -1 could
+    be any size."""
+    if t.dim() == 4:
+        return t
     if t.dim() < 4:
         return t.reshape((1,) * (4 - t.dim()) + t.shape)
     return t.reshape(math.prod(t.shape[:-3]), *t.shape[-3:])
@@ -73,9 +76,28 @@ def descriptor_ready(t):
     return t4 if describable else t4.clone(memory_format=torch.contiguous_format)
 
 
+# The host's grid and tile arithmetic is on plain ints: triton.cdiv and triton.next_power_of_2
+# are ConstexprFunctions since Triton 3.5, about 2 us a call from the host.
+def cdiv(n, d):
+    """ceil(n / d) for ints."""
+    return -(-n // d)
+
+
+def power_of_2_at_least(n):
+    """The smallest power of two >= n (n >= 1)."""
+    return 1 << (n - 1).bit_length()
+
+
 def head_dim_block(head_dim):
     """The head dim padded to a power of two, at least 16 (the smallest tl.dot takes)."""
-    return max(16, triton.next_power_of_2(head_dim))
+    return max(16, power_of_2_at_least(head_dim))
+
+
+def length_bucket(n):
+    """What the tuner keys a sequence length on: n rounded up to a power of two, at least 16, so
+    that a new prompt length tunes only where it starts a new bucket (FlashAttention's Triton
+    kernel keys on n // 32). The kernels get the exact lengths; only the tuner's key is bucketed."""
+    return max(16, power_of_2_at_least(n))
 
 
 def check_kernel_device(t):
@@ -108,10 +130,14 @@ def has_tma(device):
     return device.type == "cuda" and not ADA_PATH and torch.cuda.get_device_capability(device)[0] >= 9
 
 
+def tma_scratch(size, alignment, stream):
+    return torch.empty(size, dtype=torch.int8, device="cuda")
+
+
 def set_tma_scratch_allocator():
     """The kernels build TMA descriptors on the device, in a little global scratch memory Triton
-    asks for at each launch. Its allocator is a context variable, so set it per launch."""
-    triton.set_allocator(lambda size, alignment, stream: torch.empty(size, dtype=torch.int8, device="cuda"))
+    asks for at each launch (tma_scratch). Its allocator is a context variable, so set it per launch."""
+    triton.set_allocator(tma_scratch)
 
 
 @contextlib.contextmanager
@@ -173,6 +199,36 @@ def shared_memory_bytes(config, smem_rows, head_dim, element_size, wgmma):
     return element_size * head_dim_block(head_dim) * rows + SHARED_MEMORY_SLACK_BYTES
 
 
+def card_path(device):
+    """Which of a kernel's config lists (CONFIGS tables) a card takes: "hopper" where it copies
+    tiles with TMA (has_tma), "consumer card" elsewhere: the RTX 4070 Super, any card before
+    Hopper, the consumer-card path on any card, and the interpreter."""
+    return "hopper" if has_tma(device) else "consumer card"
+
+
+def candidates(table, device, head_dim):
+    """A kernel's configs for device's card path and head_dim, best first: table maps (card path,
+    the largest head dim a list is for) to a list of triton.Configs; the list of the smallest
+    such head dim at least head_dim."""
+    path = card_path(device)
+    return table[path, min(d for p, d in table if p == path and d >= head_dim)]
+
+
+def config_name(config):
+    """A config as the tables and bench.py name it: the forward's "128x64 w4 s3" (BLOCK_M x
+    BLOCK_N, warps, stages), the backward's "split 64x64/32 w4 s3" (the dQ job's BLOCK_M x
+    BLOCK_N / the dK/dV job's DKDV_BLOCK_M) or "atomic 64x128 w8 s2" (the dK/dV job's query
+    rows x key rows); " tma" where it loads with TMA."""
+    kw = config.kwargs
+    if "ATOMIC_DQ" not in kw:
+        tiles = f"{kw['BLOCK_M']}x{kw['BLOCK_N']}"
+    elif kw["ATOMIC_DQ"]:
+        tiles = f"atomic {kw['DKDV_BLOCK_M']}x{kw['BLOCK_N']}"
+    else:
+        tiles = f"split {kw['BLOCK_M']}x{kw['BLOCK_N']}/{kw['DKDV_BLOCK_M']}"
+    return f"{tiles} w{config.num_warps} s{config.num_stages}" + (" tma" if kw["USE_TMA"] else "")
+
+
 def fitting_configs(configs, smem_rows, tensor, head_dim, n_q, n_k):
     """The configs a kernel may run with on tensor's card, best first: no TMA configs where the
     card has none or the head dim is padded (a TMA box would be wider than the matrix), none whose
@@ -197,24 +253,39 @@ def time_from_cuda_graph(kernel_call, quantiles):
     return triton.testing.do_bench_cudagraph(kernel_call, rep=20, quantiles=quantiles)
 
 
-def autotuned(configs, smem_rows, key):
-    """triton.autotune over configs (best first), keyed on key (argument names; Triton adds the
-    tensors' dtypes), pruned to the first TIMED_CONFIGS that fit (fitting_configs) and timed
-    replayed from a CUDA graph, so the ranking is of the kernels' GPU time, not of their
-    launches. The choice is cached on disk (Triton's cache dir), so a second process does not
-    tune. The interpreter times nothing: the config with the largest tiles (the fewest
-    interpreted programs). Inside a CUDA graph capture, nothing may be timed: the first
-    candidate. Every kernel tuned this way writes its outputs whole, so running it several times
-    while timing is harmless."""
+def pruned_configs(table, smem_rows, named_args, kwargs):
+    """The configs autotuned times for one call: candidates() of its card path and head dim, those
+    that add with atomics (ATOMIC_DQ) dropped where the call asks for DETERMINISTIC results, then
+    the first TIMED_CONFIGS that fit (fitting_configs). The interpreter: of every list's configs
+    that fit, the one with the largest tiles, and of those an atomic one (the fewest interpreted
+    programs: the atomic schedule has no dQ programs). Inside a CUDA graph capture: the first."""
+    configs = (list(dict.fromkeys(c for configs in table.values() for c in configs)) if INTERPRETING
+               else candidates(table, named_args["Q"].device, kwargs["HEAD_DIM"]))
+    if kwargs.get("DETERMINISTIC"):
+        configs = [c for c in configs if not c.kwargs.get("ATOMIC_DQ")]
+    fitting = fitting_configs(configs, smem_rows, named_args["Q"], kwargs["HEAD_DIM"], named_args["N_Q_BUCKET"],
+                              named_args["N_K_BUCKET"])
+    if INTERPRETING:
+        return [max(fitting, key=lambda c: (c.kwargs["BLOCK_M"] * c.kwargs["BLOCK_N"], c.kwargs.get("ATOMIC_DQ")))]
+    if torch.cuda.is_current_stream_capturing():
+        return fitting[:1]
+    return fitting[:TIMED_CONFIGS]
+
+
+def autotuned(table, smem_rows, key, reset_to_zero=None):
+    """triton.autotune over a table of configs (candidates()), keyed on key (argument names;
+    Triton adds the tensors' dtypes), where the lengths are the kernel's N_Q_BUCKET and
+    N_K_BUCKET (length_bucket: every length of a bucket gets the same candidates and choice), pruned to the configs of the call's card path and head dim
+    that fit (pruned_configs) and timed replayed from a CUDA graph, so the ranking is of the
+    kernels' GPU time, not of their launches. The choice is cached on disk (Triton's cache dir),
+    so a second process does not tune; kernel.best_config is the one the last call ran. Every
+    kernel tuned this way writes its outputs whole, so running it several times while timing is
+    harmless, but for the arguments named in reset_to_zero, which it adds to: the tuner zeroes
+    them before each timed run and after the last."""
+    configs = list(dict.fromkeys(c for configs in table.values() for c in configs))
 
     def prune(configs, named_args, **kwargs):
-        candidates = fitting_configs(configs, smem_rows, named_args["Q"], kwargs["HEAD_DIM"], named_args["N_Q"],
-                                     named_args["N_K"])
-        if INTERPRETING:
-            return [max(candidates, key=lambda c: c.kwargs["BLOCK_M"] * c.kwargs["BLOCK_N"])]
-        if torch.cuda.is_current_stream_capturing():
-            return candidates[:1]
-        return candidates[:TIMED_CONFIGS]
+        return pruned_configs(table, smem_rows, named_args, kwargs)
 
     return triton.autotune(configs=configs, key=key, prune_configs_by={"early_config_prune": prune},
-                           do_bench=time_from_cuda_graph, cache_results=True)
+                           reset_to_zero=reset_to_zero, do_bench=time_from_cuda_graph, cache_results=True)

@@ -25,8 +25,8 @@ The tiles a program visits are one run, masked, then full, then masked, given by
 sequence are computed and never stored.
 
 Each rule is written three times, with the same names: in Python (eager.py, tiled.py and
-tiled_backward.py use it), as a @triton.jit twin with the suffix _tl (the Triton kernels), and
-for the Hopper kernels' two masks, causal and none, as @gluon.jit functions with the suffix _gl.
+tiled_backward.py use it), as a @triton.jit twin with the suffix _tl (the Triton kernels, the
+decode kernel's too), and as a @gluon.jit twin with the suffix _gl (the Hopper kernels).
 tests/test_tiled.py holds the twins to the Python rules, and those to the mask itself.
 """
 import torch
@@ -149,45 +149,64 @@ def query_tile_bounds_tl(start_n, mask, BLOCK_M: tl.constexpr, BLOCK_N: tl.const
                        tl.minimum(last_n + left + 1, N_Q), BLOCK_M)
 
 
-# ---------------------------------------------------------------- the Gluon kernels' rules
-# The Hopper kernels take two masks, causal (left = UNBOUNDED, right = 0) or none: no tile has a
-# window's left edge, so a run is full tiles then masked ones, counted in tiles. Written with
-# Python's min and // (which Gluon compiles as gl.minimum and integer division), so that the
-# functions these are built from (.fn) run in plain Python too, and tests/test_tiled.py holds
-# them to key_tile_bounds and query_tile_bounds on the CPU.
+# ---------------------------------------------------------------- the Gluon kernels' twins
+# The same rules for the Hopper kernels, in Gluon. Written with Python's min, max and // on ints
+# >= 0 (which Gluon compiles as gl.minimum, gl.maximum and integer division, equal there), so
+# that the functions these are built from (.fn) run in plain Python too, and
+# tests/test_tiled.py holds them to the Python rules on the CPU.
 
 @gluon.jit
-def visible_in_tile_gl(rows, cols, N_K, IS_CAUSAL: gl.constexpr):
-    """visible_in_tile for the two masks: the key lies before N_K and, causal, not after the query."""
+def visible_in_tile_gl(rows, cols, mask, WINDOW: gl.constexpr):
+    """visible_in_tile (rows and cols broadcast against each other, as visible_in_tile_tl's).
+    WINDOW=False compiles the rule of a mask with no window (left = right = UNBOUNDED, not
+    causal), where only the end of the keys hides any: a test per score against each row's
+    bounds costs the Hopper kernels registers they spill."""
+    _, N_K, left, right = mask
     seen = cols < N_K
-    if IS_CAUSAL:
-        seen = seen & (cols <= rows)
+    if WINDOW:
+        seen = seen & (cols >= rows - left) & (cols <= rows + right)
     return seen
 
 
 @gluon.jit
-def key_tile_counts_gl(start_m, N_K, IS_CAUSAL: gl.constexpr, ROWS: gl.constexpr, BLOCK_N: gl.constexpr):
-    """key_tile_bounds in tiles: of the key tiles the query tile of ROWS rows from start_m
-    visits, [0, n_full) need no mask for any of its rows, [n_full, n_tiles) do (the diagonal,
-    the end of the keys)."""
-    n_full = N_K // BLOCK_N
-    end = N_K
-    if IS_CAUSAL:
-        n_full = min(n_full, (start_m + 1) // BLOCK_N)
-        end = min(start_m + ROWS, N_K)
-    return n_full, (end + BLOCK_N - 1) // BLOCK_N
+def tile_run_gl(seen_from, all_see_from, all_see_to, seen_to, BLOCK: gl.constexpr):
+    """tile_run."""
+    start = seen_from // BLOCK * BLOCK
+    end_tile = (seen_to + BLOCK - 1) // BLOCK * BLOCK
+    full_start = min(max((max(all_see_from, 0) + BLOCK - 1) // BLOCK * BLOCK, start), end_tile)
+    full_end = max(min(all_see_to // BLOCK * BLOCK, end_tile), full_start)
+    return start, full_start, full_end, seen_to
 
 
 @gluon.jit
-def query_tile_counts_gl(start_n, N_Q, IS_CAUSAL: gl.constexpr, BLOCK_M: gl.constexpr, KEY_ROWS: gl.constexpr):
-    """query_tile_bounds in tiles: the key tile of KEY_ROWS keys from start_n is seen by query
-    tiles [first, last), of which [first, masked_end) cross the diagonal. first <= masked_end <=
-    last always: causal, a key tile past the last query gets first = last, no tiles, which the
-    backward's mbarrier phases count on."""
-    last = (N_Q + BLOCK_M - 1) // BLOCK_M
-    first = 0
-    masked_end = 0
-    if IS_CAUSAL:
-        first = min(start_n // BLOCK_M, last)
-        masked_end = min((start_n + KEY_ROWS - 1 + BLOCK_M - 1) // BLOCK_M, last)
-    return first, masked_end, last
+def key_tile_bounds_gl(start_m, mask, BLOCK_M: gl.constexpr, BLOCK_N: gl.constexpr):
+    """key_tile_bounds: the key tiles the query tile from row start_m visits."""
+    _, N_K, left, right = mask
+    last_m = start_m + BLOCK_M - 1
+    return tile_run_gl(max(start_m - left, 0), last_m - left, min(start_m + right + 1, N_K),
+                       min(last_m + right + 1, N_K), BLOCK_N)
+
+
+@gluon.jit
+def query_tile_bounds_gl(start_n, mask, BLOCK_M: gl.constexpr, BLOCK_N: gl.constexpr):
+    """query_tile_bounds: the query tiles that see the key tile from row start_n."""
+    N_Q, _, left, right = mask
+    last_n = start_n + BLOCK_N - 1
+    return tile_run_gl(max(start_n - right, 0), last_n - right,
+                       min(start_n + left + 1, (N_Q + BLOCK_M - 1) // BLOCK_M * BLOCK_M),
+                       min(last_n + left + 1, N_Q), BLOCK_M)
+
+
+@gluon.jit
+def tile_numbers_gl(bounds, BLOCK: gl.constexpr):
+    """A run of bounds = (start, full_start, full_end, end) in tile numbers, first <= full_first
+    <= full_last <= last: tiles [first, full_first) and [full_last, last) are masked,
+    [full_first, full_last) full. The Hopper kernels count tiles, as their loaders fill a ring
+    of them; a run that holds no tile (no row of the tile sees a key: end <= start) gives
+    first = last, which their mbarrier phases count on."""
+    start, full_start, full_end, end = bounds
+    first = start // BLOCK
+    last = max((end + BLOCK - 1) // BLOCK, first)
+    full_first = min(max(full_start // BLOCK, first), last)
+    full_last = min(max(full_end // BLOCK, full_first), last)
+    return first, full_first, full_last, last

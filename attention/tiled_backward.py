@@ -17,9 +17,14 @@ Two passes, so that each one owns the tiles it writes; given delta they are inde
 With grouped-query heads a key tile's dK and dV add up the parts of the G query heads that
 read it: here a sum over the group dim, in the kernel a loop over the group's heads.
 
+atomic_dq=True is FlashAttention-2's own schedule, five matrix multiplies a tile pair, not
+seven: pass 1 also adds each tile pair's share of dQ, ds k_tile, to a float32 accumulator
+dQ_acc, and pass 2 does not run; dQ = dQ_acc * scale. The kernel's programs add their shares
+with atomics, in whatever order they land; here, in loop order.
+
 triton_backward.py runs the same steps with the same names and bounds: a kernel for delta,
-then one launch in which each program does one tile of one of the two passes. As in
-tiled.py, this is clear, not fast: Python loops over tiles.
+then one launch in which each program does one tile of one of the two passes (or, ATOMIC_DQ,
+pass 1 with dQ's shares). As in tiled.py, this is clear, not fast: Python loops over tiles.
 """
 import math
 
@@ -30,9 +35,11 @@ from .eager import group_queries
 from .masks import check_tile_sizes, key_tile_bounds, query_tile_bounds, tile_mask, window_bounds
 
 
-def tiled_backward(Q, K, V, O, lse, dO, is_causal=False, window_size=(-1, -1), tile_m=64, tile_n=64):
+def tiled_backward(Q, K, V, O, lse, dO, is_causal=False, window_size=(-1, -1), tile_m=64, tile_n=64,
+                   atomic_dq=False):
     """dQ, dK, dV of O = attention(Q, K, V) given dO, one tile pair at a time. Math in float32
-    (float64 for float64 inputs); results in the inputs' dtype."""
+    (float64 for float64 inputs); results in the inputs' dtype. atomic_dq: the five-matmul
+    schedule (see above)."""
     check_tile_sizes(tile_m, tile_n)
     n_q, n_k = Q.shape[-2], K.shape[-2]
     mask = (n_q, n_k, *window_bounds(is_causal, window_size))
@@ -45,6 +52,7 @@ def tiled_backward(Q, K, V, O, lse, dO, is_causal=False, window_size=(-1, -1), t
     (Q, K), (_, V) = group_queries(Q, K), group_queries(Q, V)
     dO, lse, delta = dO.reshape(Q.shape), lse.reshape(Q.shape[:-1]), delta.reshape(Q.shape[:-1])
     dQ, dK, dV = torch.empty_like(Q), torch.empty_like(K), torch.empty_like(V)
+    dQ_acc = torch.zeros_like(Q) if atomic_dq else None
 
     # 1. dK, dV. Everything is transposed (keys along rows), so dk and dv keep k_tile's shape.
     for k_start in range(0, n_k, tile_n):
@@ -64,24 +72,29 @@ def tiled_backward(Q, K, V, O, lse, dO, is_causal=False, window_size=(-1, -1), t
             # The sum over the group's query heads (dim -3) is GQA's: one kv head, G readers.
             dv += einsum(p_t, do_tile, "... j i, ... i d -> ... j d").sum(-3, keepdim=True)
             dk += einsum(ds_t, q_tile, "... j i, ... i d -> ... j d").sum(-3, keepdim=True)
+            if atomic_dq:  # this key tile's share of the query tile's dQ
+                dQ_acc[..., q_start:q_end, :] += einsum(ds_t, k_tile, "... j i, ... j d -> ... i d")
         dK[..., k_start:k_end, :] = dk * scale
         dV[..., k_start:k_end, :] = dv
 
-    # 2. dQ, with the forward's schedule.
-    for q_start in range(0, n_q, tile_m):
-        q_end = min(q_start + tile_m, n_q)
-        q_tile, do_tile = Q[..., q_start:q_end, :], dO[..., q_start:q_end, :]
-        dq = torch.zeros_like(q_tile)
-        start, full_start, full_end, end = key_tile_bounds(q_start, mask, tile_m, tile_n)
-        for k_start in range(start, end, tile_n):
-            k_end = min(k_start + tile_n, n_k)
-            k_tile, v_tile = K[..., k_start:k_end, :], V[..., k_start:k_end, :]
-            s = einsum(q_tile, k_tile, "... i d, ... j d -> ... i j") * scale
-            p = torch.exp(s - lse[..., q_start:q_end, None])
-            if not full_start <= k_start < full_end:  # a masked tile
-                p = p.masked_fill(~tile_mask(q_start, q_end, k_start, k_end, mask, Q.device), 0.0)
-            dp = einsum(do_tile, v_tile, "... i d, ... j d -> ... i j")
-            ds = p * (dp - delta[..., q_start:q_end, None])
-            dq += einsum(ds, k_tile, "... i j, ... j d -> ... i d")
-        dQ[..., q_start:q_end, :] = dq * scale
+    # 2. dQ, with the forward's schedule; the atomic schedule has it already, as the sum of its shares.
+    if atomic_dq:
+        dQ = dQ_acc * scale
+    else:
+        for q_start in range(0, n_q, tile_m):
+            q_end = min(q_start + tile_m, n_q)
+            q_tile, do_tile = Q[..., q_start:q_end, :], dO[..., q_start:q_end, :]
+            dq = torch.zeros_like(q_tile)
+            start, full_start, full_end, end = key_tile_bounds(q_start, mask, tile_m, tile_n)
+            for k_start in range(start, end, tile_n):
+                k_end = min(k_start + tile_n, n_k)
+                k_tile, v_tile = K[..., k_start:k_end, :], V[..., k_start:k_end, :]
+                s = einsum(q_tile, k_tile, "... i d, ... j d -> ... i j") * scale
+                p = torch.exp(s - lse[..., q_start:q_end, None])
+                if not full_start <= k_start < full_end:  # a masked tile
+                    p = p.masked_fill(~tile_mask(q_start, q_end, k_start, k_end, mask, Q.device), 0.0)
+                dp = einsum(do_tile, v_tile, "... i d, ... j d -> ... i j")
+                ds = p * (dp - delta[..., q_start:q_end, None])
+                dq += einsum(ds, k_tile, "... i j, ... j d -> ... i d")
+            dQ[..., q_start:q_end, :] = dq * scale
     return tuple(g.reshape(shape).to(dtype) for g, shape in zip((dQ, dK, dV), shapes))

@@ -1,31 +1,37 @@
 """Decoding attention in Triton: one new token per sequence against a static KV cache, split-KV
-(Flash-Decoding) with a kv head's whole query group served from one read of the cache.
+(Flash-Decoding) with a kv head's whole query group served from one read of the cache, in one
+launch.
 
 A decode step reads the whole cache once and does little arithmetic on it: its speed is the
-memory's. Two things keep the memory busy:
+memory's. Three things keep the memory busy:
 - Grouped-query heads: the G query heads of a kv head are the rows of one q_tile (G padded to
   BLOCK_G >= 16, the smallest tl.dot takes), so each K and V tile is loaded once for all of them
   and the scores are a tensor-core product, not a multiply-and-sum per query head.
-- Splits: the cache's rows are cut into n_splits ranges of SPLIT_ROWS rows (whole tiles), one
-  program each, so that a batch of few sequences and kv heads still gives every SM work.
+- Splits sized by bytes: the cache's rows are cut into n_splits ranges of SPLIT_ROWS rows (whole
+  tiles), one program each, so that a batch of few sequences and kv heads still gives every SM
+  PROGRAMS_PER_SM programs to overlap their loads, while no split reads fewer than
+  SPLIT_MIN_BYTES (decode_splits).
+- One launch: the merge of the splits is folded into the kernel. Each split program writes its
+  partial output and counts itself done on its (batch, kv head)'s counter; the last one to
+  finish merges them all. A separate merge launch cost a few microseconds of a step of tens.
 
 _decode_split: one program per (batch, kv head, split). It stores the new token's k and v at
 row pos of the caches (the split whose range holds row pos does), then runs triton_forward.py's
-online softmax over the cached rows of its range that the window sees, [pos - left, pos), in
-tiles of BLOCK_N rows; the split holding row pos starts from the token's own key, already in
-registers. Every row it reads is below pos, the one it writes: the store needs no barrier. It
-writes a partial output o_split (normalised, float32) and its log-sum-exp lse_split; a split
-that sees no key (all its rows past pos, or before the window) writes o_split = 0 and
-lse_split = -inf.
-_merge_splits: one program per (batch, query head) combines them with the online softmax's own
-rescaling: O = sum_j exp(lse_j - lse_max) o_j / sum_j exp(lse_j - lse_max).
-With one split the partial output is the output: the host points the first kernel at O and
-launches no merge.
+online softmax over the cached rows of its range that the window sees, [pos - left, pos) (the
+mask masks.py's rules give a query at row pos over the pos keys before it), in tiles of BLOCK_N
+rows; the split holding row pos starts from the token's own key, already in registers. Every row
+it reads is below pos, the one it writes: the store needs no barrier. With one split it writes O.
+With more it writes a partial output o_split (normalised, float32) and its log-sum-exp lse_split
+(a split that sees no key writes o_split = 0 and lse_split = -inf), and the last of the splits to
+finish combines them with the online softmax's own rescaling (_merge_splits):
+O = sum_j exp(lse_j - lse_max) o_j / sum_j exp(lse_j - lse_max).
 
 pos is read from memory: the host never learns it, and the split count comes from static
-shapes alone (the cache's length S, not pos), so the launches are the same at every step and a
-CUDA graph replays them while the cache fills. decode.py's tiled_decode_splits and merge_splits
-are the twin in PyTorch, with the same names and split and tile bounds.
+shapes alone (the cache's shape and dtype, and the card's SM count; never pos), so the launch is
+the same at every step and a CUDA graph replays it while the cache fills. The counters are left
+at zero by the merging program, ready for the next step or replay. decode.py's
+tiled_decode_splits and merge_splits are the twin in PyTorch, with the same names and split and
+tile bounds.
 """
 import math
 
@@ -33,20 +39,48 @@ import torch
 import triton
 import triton.language as tl
 
-from .launch import INTERPRETING, check_kernel_device, head_dim_block, kernels_may_load
+from .launch import INTERPRETING, check_kernel_device, head_dim_block, kernels_may_load, power_of_2_at_least
+from .masks import key_tile_bounds_tl, visible_in_tile_tl
 from .triton_forward import online_softmax_update
 from .triton_tiles import LN_2, LOG2_E
 
 
 @triton.jit
-def _decode_split(Q, K, V, K_CACHE, V_CACHE, O_SPLIT, LSE_SPLIT, POS,
+def _merge_splits(O, O_SPLIT, LSE_SPLIT, heads, in_group, dims, in_head, stride_oh, stride_osh, stride_oss,
+                  stride_lsh, stride_lss, N_SPLITS, BLOCK_S: tl.constexpr):
+    """O of the query heads `heads` (rows; in_group the real ones, in_head the real dims) from the
+    partial outputs and log-sum-exps of all N_SPLITS splits, each weighted by its share of the
+    softmax's sum: exp(lse_j - lse_max), up to a common factor. The partials were written by
+    other programs: they are read from L2 (.cg), past any stale line of this SM's L1."""
+    splits = tl.arange(0, BLOCK_S)
+    out_mask = in_group[:, None] & in_head[None, :]
+    lse_split = tl.load(LSE_SPLIT + heads[:, None] * stride_lsh + splits[None, :] * stride_lss,
+                        mask=in_group[:, None] & (splits < N_SPLITS)[None, :], other=float("-inf"),
+                        cache_modifier=".cg")
+    lse_split = tl.where(in_group[:, None], lse_split, 0.0)  # padding rows: weights of 1 on zeros, never stored
+    lse_max = tl.max(lse_split, 1)  # finite: the split holding row pos saw the token's key
+    weights = tl.exp2((lse_split - lse_max[:, None]) * LOG2_E)  # (BLOCK_G, BLOCK_S); splits past N_SPLITS: 0
+    o = tl.zeros(out_mask.shape, dtype=tl.float32)
+    for split in range(N_SPLITS):
+        weight = tl.sum(tl.where(splits[None, :] == split, weights, 0.0), 1)
+        o_split = tl.load(O_SPLIT + heads[:, None] * stride_osh + split * stride_oss + dims[None, :], mask=out_mask,
+                          other=0.0, cache_modifier=".cg")
+        o += weight[:, None] * o_split
+    o = o / tl.sum(weights, 1)[:, None]
+    tl.store(O + heads[:, None] * stride_oh + dims[None, :], o.to(O.dtype.element_ty), mask=out_mask)
+
+
+@triton.jit
+def _decode_split(Q, K, V, K_CACHE, V_CACHE, O, O_SPLIT, LSE_SPLIT, COUNTS, POS,
                   stride_qb, stride_qh, stride_kb, stride_kh, stride_vb, stride_vh,
-                  stride_kcb, stride_kch, stride_kcn, stride_vcb, stride_vch, stride_vcn,
+                  stride_kcb, stride_kch, stride_kcn, stride_vcb, stride_vch, stride_vcn, stride_ob, stride_oh,
                   stride_osb, stride_osh, stride_oss, stride_lsb, stride_lsh, stride_lss,
-                  H_KV, GROUP, N_CACHE, SPLIT_ROWS, left, qk_scale,
-                  HEAD_DIM: tl.constexpr, BLOCK_D: tl.constexpr, BLOCK_G: tl.constexpr, BLOCK_N: tl.constexpr):
-    b = (tl.program_id(0) // H_KV).to(tl.int64)
-    kv_head = (tl.program_id(0) % H_KV).to(tl.int64)
+                  H_KV, GROUP, N_CACHE, N_SPLITS, SPLIT_ROWS, left, qk_scale,
+                  HEAD_DIM: tl.constexpr, BLOCK_D: tl.constexpr, BLOCK_G: tl.constexpr, BLOCK_N: tl.constexpr,
+                  BLOCK_S: tl.constexpr):
+    pair = tl.program_id(0)  # (batch, kv head)
+    b = (pair // H_KV).to(tl.int64)
+    kv_head = (pair % H_KV).to(tl.int64)
     split = tl.program_id(1)
     # The new token's position, clamped into the cache: a bad value never writes or reads outside
     # it (decode.check_position refuses one wherever the host can read it).
@@ -77,58 +111,61 @@ def _decode_split(Q, K, V, K_CACHE, V_CACHE, O_SPLIT, LSE_SPLIT, POS,
     l_i = tl.zeros([BLOCK_G], dtype=tl.float32) + tl.where(holds_token, 1.0, 0.0)
     acc = tl.zeros([BLOCK_G, BLOCK_D], dtype=tl.float32) + tl.where(holds_token, v_row.to(tl.float32), 0.0)[None, :]
 
-    # Then the cached keys of the split the window sees, [first, end), all below pos. Tiles are
-    # whole tiles of the split (the twin's); those with no key in [first, end) are skipped.
-    first = tl.maximum(tl.maximum(pos - left, 0), split_start)
-    end = tl.minimum(pos, split_end)
-    for tile_start in range(first // BLOCK_N * BLOCK_N, end, BLOCK_N):
+    # Then the cached keys the window sees: masks.py's rules for a query at row pos over the pos
+    # keys before it (its own is in registers), (pos + 1, pos, left, 0), in the split's tiles
+    # (whole tiles, the twin's); a tile with no key the window sees is skipped.
+    mask = (pos + 1, pos, left, 0)
+    start, _, _, end = key_tile_bounds_tl(pos, mask, 1, BLOCK_N)
+    for tile_start in range(tl.maximum(start, split_start), tl.minimum(end, split_end), BLOCK_N):
         rows = tile_start + tl.arange(0, BLOCK_N)
-        seen = (rows >= first) & (rows < end)
-        mask = seen[:, None] & in_head[None, :]  # rows outside it are never loaded: a stale NaN stays out
-        k_tile = tl.load(K_CACHE + rows[:, None] * stride_kcn + dims[None, :], mask=mask, other=0.0)
+        seen = visible_in_tile_tl(pos, rows, mask)
+        seen_dims = seen[:, None] & in_head[None, :]  # rows outside it are never loaded: a stale NaN stays out
+        k_tile = tl.load(K_CACHE + rows[:, None] * stride_kcn + dims[None, :], mask=seen_dims, other=0.0)
         s = tl.dot(q_tile, tl.trans(k_tile))  # raw scores, (BLOCK_G, BLOCK_N)
         s = tl.where(seen[None, :], s, float("-inf"))
-        v_tile = tl.load(V_CACHE + rows[:, None] * stride_vcn + dims[None, :], mask=mask, other=0.0)
+        v_tile = tl.load(V_CACHE + rows[:, None] * stride_vcn + dims[None, :], mask=seen_dims, other=0.0)
         # MASKED: a split without the token has seen no key before its first tile.
         acc, l_i, m_i = online_softmax_update(acc, l_i, m_i, s, v_tile, qk_scale, True)
 
     # A split that saw no key keeps l_i = 0: o_split = 0, lse_split = -inf (weight 0 in the merge).
     l_safe = tl.where(l_i == 0.0, 1.0, l_i)
-    lse_split = tl.where(l_i == 0.0, float("-inf"), (m_i + tl.log2(l_safe)) * LN_2)  # natural log, as the forward's
     o_split = acc / l_safe[:, None]
-    tl.store(O_SPLIT + b * stride_osb + heads[:, None] * stride_osh + split * stride_oss + dims[None, :],
-             o_split.to(O_SPLIT.dtype.element_ty), mask=in_group[:, None] & in_head[None, :])
-    tl.store(LSE_SPLIT + b * stride_lsb + heads * stride_lsh + split * stride_lss, lse_split, mask=in_group)
-
-
-@triton.jit
-def _merge_splits(O_SPLIT, LSE_SPLIT, O,
-                  stride_osb, stride_osh, stride_oss, stride_lsb, stride_lsh, stride_lss, stride_ob, stride_oh,
-                  H, N_SPLITS, HEAD_DIM: tl.constexpr, BLOCK_D: tl.constexpr, BLOCK_S: tl.constexpr):
-    b = (tl.program_id(0) // H).to(tl.int64)
-    h = (tl.program_id(0) % H).to(tl.int64)
-    splits = tl.arange(0, BLOCK_S)
-    dims = tl.arange(0, BLOCK_D)
-    in_splits = splits < N_SPLITS
-    lse_split = tl.load(LSE_SPLIT + b * stride_lsb + h * stride_lsh + splits * stride_lss, mask=in_splits,
-                        other=float("-inf"))
-    lse_max = tl.max(lse_split, 0)  # finite: the split holding row pos saw the token's key
-    # Each split's softmax sum, relative to the largest: the online softmax's alpha, one split at a time.
-    weights = tl.exp2((lse_split - lse_max) * LOG2_E)
-    o_split = tl.load(O_SPLIT + b * stride_osb + h * stride_osh + splits[:, None] * stride_oss + dims[None, :],
-                      mask=in_splits[:, None] & (dims < HEAD_DIM)[None, :], other=0.0)
-    o = tl.sum(weights[:, None] * o_split, 0) / tl.sum(weights, 0)
-    tl.store(O + b * stride_ob + h * stride_oh + dims, o.to(O.dtype.element_ty), mask=dims < HEAD_DIM)
+    out_mask = in_group[:, None] & in_head[None, :]
+    O += b * stride_ob
+    if N_SPLITS == 1:  # the split is the whole cache: its output is O
+        tl.store(O + heads[:, None] * stride_oh + dims[None, :], o_split.to(O.dtype.element_ty), mask=out_mask)
+    else:
+        O_SPLIT += b * stride_osb
+        LSE_SPLIT += b * stride_lsb
+        lse_split = tl.where(l_i == 0.0, float("-inf"), (m_i + tl.log2(l_safe)) * LN_2)  # natural log, as the forward's
+        tl.store(O_SPLIT + heads[:, None] * stride_osh + split * stride_oss + dims[None, :], o_split, mask=out_mask)
+        tl.store(LSE_SPLIT + heads * stride_lsh + split * stride_lss, lse_split, mask=in_group)
+        # Every thread's partial is stored before the count says so; the count releases them to
+        # the program that sees it reach N_SPLITS (acq_rel at the GPU's scope), which merges.
+        tl.debug_barrier()
+        done_before = tl.atomic_add(COUNTS + pair, 1, sem="acq_rel", scope="gpu")
+        if done_before == N_SPLITS - 1:
+            _merge_splits(O, O_SPLIT, LSE_SPLIT, heads, in_group, dims, in_head, stride_oh, stride_osh, stride_oss,
+                          stride_lsh, stride_lss, N_SPLITS, BLOCK_S)
+            tl.atomic_xchg(COUNTS + pair, 0, sem="relaxed", scope="gpu")  # zero again: the next step's
 
 
 # One fixed config rather than a tuned one: tuning would time candidates at the first call of
 # each shape, which must never happen inside a CUDA graph capture. A K or V tile is 16 KB (64
 # keys at D=128 in 16 bits): with 3 stages two tiles of K and of V are in flight, 64 KB of
-# shared memory, under Ada's 99 KB at every head dim and element size.
+# shared memory, under Ada's 99 KB at every head dim and element size (three programs an SM on
+# Hopper's 227 KB).
 DECODE_TILE_BYTES = 16384
 DECODE_NUM_WARPS = 4
 DECODE_NUM_STAGES = 3
-MAX_SPLITS = 64  # the merge holds every split's row of O in registers
+# The split plan (decode_splits): programs an SM to aim for, so that while one waits on its
+# loads another's are in flight, and the fewest K and V bytes a split reads, below which its
+# fixed costs (the query's load, the pipeline's fill, its partial output and the merge's read
+# of it) weigh on the bytes: 128 KB is 4 tiles of K and V.
+PROGRAMS_PER_SM = 2
+SPLIT_MIN_BYTES = 128 * 1024
+MAX_SPLITS = 64  # the merge holds a (query heads, splits) tile of log-sum-exps in registers
+MAX_SPLIT_PAIRS = 1024  # (batch, kv head) pairs a split plan may have: one counter each, in one buffer
 ADA_SM_COUNT = 56  # the RTX 4070 Super's SMs: what the interpreter assumes
 
 
@@ -137,24 +174,17 @@ def decode_block_n(head_dim, element_size):
     return min(256, max(16, DECODE_TILE_BYTES // (head_dim_block(head_dim) * element_size)))
 
 
-def decode_splits(programs, n_tiles, n_sms):
-    """How many splits to cut a cache of n_tiles tiles into, for `programs` (batch, kv head)
-    pairs on a card of n_sms SMs: FlashAttention-2's num_splits_heuristic (flash_api.cpp), which
-    counts two programs an SM. None when the pairs already fill 80% of that, or the cache is 4
-    tiles or fewer (FlashAttention-3's rule: a merge launch costs more than it saves). Else the
-    fewest splits whose last wave is at least 85% as full as the best count's, among counts that
-    change the tiles per split."""
-    slots = 2 * n_sms
-    if programs >= 0.8 * slots or n_tiles <= 4:
+def decode_splits(pairs, pair_bytes, n_tiles, n_sms):
+    """How many splits to cut each (batch, kv head)'s cache of n_tiles tiles and pair_bytes K and V
+    bytes into, for `pairs` such pairs on a card of n_sms SMs: enough for PROGRAMS_PER_SM
+    programs an SM, as long as every split reads SPLIT_MIN_BYTES or more, at most MAX_SPLITS
+    (and a tile a split). One when the pairs already give the card its programs. Then whole
+    tiles a split, shared as evenly as they go, so that no split lies past the cache's end."""
+    if pairs > MAX_SPLIT_PAIRS:
         return 1
-    tiles_per_split = lambda n: math.ceil(n_tiles / n)
-    candidates = [n for n in range(1, min(MAX_SPLITS, slots, n_tiles) + 1)
-                  if n == 1 or tiles_per_split(n) != tiles_per_split(n - 1)]
-    waves = lambda n: programs * n / slots
-    efficiency = {n: waves(n) / math.ceil(waves(n)) for n in candidates}
-    best = max(efficiency.values())
-    n_splits = next(n for n in candidates if efficiency[n] >= 0.85 * best)
-    return math.ceil(n_tiles / tiles_per_split(n_splits))  # so that no split lies past the cache's end
+    wanted = math.ceil(PROGRAMS_PER_SM * n_sms / pairs)
+    n_splits = max(1, min(wanted, pair_bytes // SPLIT_MIN_BYTES, n_tiles, MAX_SPLITS))
+    return math.ceil(n_tiles / math.ceil(n_tiles / n_splits))
 
 
 def split_rows(n_cache, n_splits, block_n):
@@ -173,12 +203,31 @@ def split_plan(k_cache):
     """(n_splits, block_n) for a cache (B, H_kv, S, D): from its static shape, dtype and card."""
     B, H_kv, S, D = k_cache.shape
     block_n = decode_block_n(D, k_cache.element_size())
-    return decode_splits(B * H_kv, math.ceil(S / block_n), sm_count(k_cache.device)), block_n
+    pair_bytes = 2 * S * D * k_cache.element_size()
+    return decode_splits(B * H_kv, pair_bytes, math.ceil(S / block_n), sm_count(k_cache.device)), block_n
+
+
+_split_counters = {}
+
+
+def split_counters(device):
+    """The counters of the (batch, kv head) pairs, MAX_SPLIT_PAIRS int32 zeros on device, that a
+    step's split programs count themselves done on. The program that merges a pair's splits
+    zeroes its counter again, so one buffer serves every step and every replay of a captured one
+    (steps run one at a time on a device: a model's layers in turn). Made at the first call
+    outside a CUDA graph capture; a capture before that zeroes counters of its own, a memset
+    that each replay repeats."""
+    if device not in _split_counters:
+        counters = torch.zeros(MAX_SPLIT_PAIRS, dtype=torch.int32, device=device)
+        if device.type == "cuda" and torch.cuda.is_current_stream_capturing():
+            return counters
+        _split_counters[device] = counters
+    return _split_counters[device]
 
 
 def split_kv_decode(q, k, v, k_cache, v_cache, pos, left, n_splits, block_n):
-    """Both launches: O (B, H, 1, D); k and v stored at row pos of the caches. Any split count
-    and tile rows (tests choose them; the operator takes split_plan's)."""
+    """The launch: O (B, H, 1, D); k and v stored at row pos of the caches. Any split count and
+    tile rows (tests choose them; the operator takes split_plan's)."""
     B, H, _, D = q.shape
     H_kv, S = k_cache.shape[1], k_cache.shape[2]
     o = q.new_empty(B, H, 1, D)
@@ -190,19 +239,18 @@ def split_kv_decode(q, k, v, k_cache, v_cache, pos, left, n_splits, block_n):
         k_cache.index_copy_(2, pos, k)
         v_cache.index_copy_(2, pos, v)
         return o.copy_(o32)
-    o_split = o if n_splits == 1 else torch.empty(B, H, n_splits, D, dtype=torch.float32, device=q.device)
-    lse_split = torch.empty(B, H, n_splits, dtype=torch.float32, device=q.device)
-    block_d = head_dim_block(D)
+    if n_splits > 1 and B * H_kv > MAX_SPLIT_PAIRS:
+        raise ValueError(f"split_kv_decode: {n_splits} splits of {B * H_kv} (batch, kv head) pairs, more than the "
+                         f"{MAX_SPLIT_PAIRS} counters of a split plan")
+    o_split = torch.empty(B, H, n_splits if n_splits > 1 else 0, D, dtype=torch.float32, device=q.device)
+    lse_split = torch.empty(B, H, n_splits if n_splits > 1 else 0, dtype=torch.float32, device=q.device)
     _decode_split[(B * H_kv, n_splits)](
-        q, k, v, k_cache, v_cache, o_split, lse_split, pos, q.stride(0), q.stride(1), k.stride(0), k.stride(1),
-        v.stride(0), v.stride(1), *k_cache.stride()[:3], *v_cache.stride()[:3], *o_split.stride()[:3],
-        *lse_split.stride(), H_kv, H // H_kv, S, split_rows(S, n_splits, block_n), left, D ** -0.5 * LOG2_E.value,
-        HEAD_DIM=D, BLOCK_D=block_d, BLOCK_G=max(16, triton.next_power_of_2(H // H_kv)), BLOCK_N=block_n,
-        num_warps=DECODE_NUM_WARPS, num_stages=DECODE_NUM_STAGES)
-    if n_splits > 1:
-        _merge_splits[(B * H,)](o_split, lse_split, o, *o_split.stride()[:3], *lse_split.stride(), o.stride(0),
-                                o.stride(1), H, n_splits, HEAD_DIM=D, BLOCK_D=block_d,
-                                BLOCK_S=triton.next_power_of_2(n_splits), num_warps=DECODE_NUM_WARPS)
+        q, k, v, k_cache, v_cache, o, o_split, lse_split, split_counters(q.device), pos, q.stride(0), q.stride(1),
+        k.stride(0), k.stride(1), v.stride(0), v.stride(1), *k_cache.stride()[:3], *v_cache.stride()[:3],
+        o.stride(0), o.stride(1), *o_split.stride()[:3], *lse_split.stride(), H_kv, H // H_kv, S, n_splits,
+        split_rows(S, n_splits, block_n), left, D ** -0.5 * LOG2_E.value,
+        HEAD_DIM=D, BLOCK_D=head_dim_block(D), BLOCK_G=max(16, power_of_2_at_least(H // H_kv)), BLOCK_N=block_n,
+        BLOCK_S=power_of_2_at_least(n_splits), num_warps=DECODE_NUM_WARPS, num_stages=DECODE_NUM_STAGES)
     return o
 
 

@@ -18,8 +18,9 @@ import triton
 import triton.language as tl
 
 from .hopper import forward as hopper_forward
-from .launch import (INTERPRETING, as_4d, autotuned, descriptor_ready, head_dim_block, heads_first, new_like,
-                     program_grid, set_tma_scratch_allocator)
+from .launch import (INTERPRETING, as_4d, autotuned, cdiv, check_kernel_device, descriptor_ready, head_dim_block,
+                     heads_first, kernels_may_load, length_bucket, new_like, program_grid, set_tma_scratch_allocator)
+from .launch_plan import Launch, plan_key, same_memory
 from .masks import key_tile_bounds_tl, visible_in_tile_tl, window_bounds
 from .triton_tiles import LN_2, LOG2_E, head_matrix, load_tile, program_tile_and_head, query_tile_start, store_tile
 
@@ -65,32 +66,62 @@ def forward_smem_rows(config):
     return [(config.kwargs["BLOCK_M"], 2 * config.kwargs["BLOCK_N"])]
 
 
-# Best first: the tuner times the first three that fit the card (launch.fitting_configs). On the
-# H200 each of the first three wins somewhere; the last ones fit wide heads in 99 KB.
-FORWARD_CONFIGS = [
-    triton.Config(dict(BLOCK_M=64, BLOCK_N=128, USE_TMA=True), num_warps=4, num_stages=2),  # long D=64 sequences
-    triton.Config(dict(BLOCK_M=128, BLOCK_N=64, USE_TMA=True), num_warps=4, num_stages=2),  # D=128
-    triton.Config(dict(BLOCK_M=64, BLOCK_N=64, USE_TMA=False), num_warps=4, num_stages=3),  # the model's
-    triton.Config(dict(BLOCK_M=128, BLOCK_N=64, USE_TMA=False), num_warps=8, num_stages=3),
-    triton.Config(dict(BLOCK_M=64, BLOCK_N=64, USE_TMA=True), num_warps=4, num_stages=2),
-    triton.Config(dict(BLOCK_M=64, BLOCK_N=64, USE_TMA=True), num_warps=4, num_stages=3),
-    triton.Config(dict(BLOCK_M=128, BLOCK_N=128, USE_TMA=True), num_warps=4, num_stages=3),
-    triton.Config(dict(BLOCK_M=128, BLOCK_N=32, USE_TMA=False), num_warps=4, num_stages=3),
-    triton.Config(dict(BLOCK_M=64, BLOCK_N=32, USE_TMA=False), num_warps=4, num_stages=2),
-    triton.Config(dict(BLOCK_M=32, BLOCK_N=16, USE_TMA=False), num_warps=4, num_stages=2),
-    triton.Config(dict(BLOCK_M=16, BLOCK_N=16, USE_TMA=False), num_warps=4, num_stages=2),
+def tiles(BLOCK_M, BLOCK_N, warps, stages, tma=False):
+    """A config of _attn_fwd: query tiles of BLOCK_M rows against key tiles of BLOCK_N."""
+    return triton.Config(dict(BLOCK_M=BLOCK_M, BLOCK_N=BLOCK_N, USE_TMA=tma), num_warps=warps, num_stages=stages)
+
+
+# The tuner's candidates, best first, per card path and largest head dim (launch.candidates): it
+# times the first three that fit (launch.pruned_configs). Named as launch.config_name names them.
+# Ratios are FA2's time over ours on an H100 on the consumer-card path (NANOFA2_ADA=1, a
+# stand-in), torch 2.11, Triton 3.6, at the FA2 paper's shapes (16k tokens a batch, hidden 2048);
+# docs/optimisation.md. 128-row tiles with 4 warps (32 query rows a warp, as FA2) read each K/V
+# tile from shared memory half as often as 64-row ones, but at D 128 want more than 255
+# registers a thread (the scores, a 128 x 128 float32 acc, a whole K tile as an operand): they spill.
+FORWARD_CONFIGS = {
+    ("consumer card", 64): [
+        tiles(128, 64, warps=4, stages=3),  # FA2's 32 rows a warp: 0.91-1.01x FA2 at D 64; 1.31x at 2 x 12 x 4,096 x 32
+        tiles(64, 32, warps=4, stages=3),  # the model's shape, 8 x 12 x 512 x 32: 1.23x FA2
+        tiles(128, 64, warps=4, stages=2),  # D 64 without a mask, within 2% of the first
+        tiles(32, 16, warps=4, stages=2),  # short sequences
+        tiles(16, 16, warps=4, stages=2),
+    ],
+    ("consumer card", 256): [
+        tiles(128, 32, warps=4, stages=3),  # FA2's sm_89 tile without a mask: 0.82-0.93x FA2 at D 128
+        tiles(128, 64, warps=4, stages=2),  # FA2's H100 tile: 0.78-0.90x, the best at 4k without a mask
+        tiles(64, 64, warps=4, stages=2),  # FA2's sm_89 tile with a mask, 48 KB, two blocks an SM: 0.52-0.60x here
+        tiles(64, 32, warps=4, stages=2),  # wide heads in 99 KB
+        tiles(32, 16, warps=4, stages=2),
+        tiles(16, 16, warps=4, stages=2),  # D 256 in float32
+    ],
+}
+# Hopper: on the H200 each of the first three won somewhere; the last ones fit wide heads. The
+# same list at every head dim.
+FORWARD_CONFIGS["hopper", 256] = [
+    tiles(64, 128, warps=4, stages=2, tma=True),  # long D=64 sequences
+    tiles(128, 64, warps=4, stages=2, tma=True),  # D=128
+    tiles(64, 64, warps=4, stages=3),  # the model's
+    tiles(128, 64, warps=8, stages=3),
+    tiles(64, 64, warps=4, stages=2, tma=True),
+    tiles(64, 64, warps=4, stages=3, tma=True),
+    tiles(128, 128, warps=4, stages=3, tma=True),
+    tiles(128, 32, warps=4, stages=3),
+    tiles(64, 32, warps=4, stages=2),
+    tiles(32, 16, warps=4, stages=2),
+    tiles(16, 16, warps=4, stages=2),
 ]
 
 
-@autotuned(FORWARD_CONFIGS, forward_smem_rows, key=["N_Q", "N_K", "H", "left", "right", "HEAD_DIM"])
+@autotuned(FORWARD_CONFIGS, forward_smem_rows, key=["N_Q_BUCKET", "N_K_BUCKET", "H", "left", "right", "HEAD_DIM"])
 @triton.jit(do_not_specialize=["N_Q", "N_K"])
 def _attn_fwd(Q, K, V, O, LSE,
               stride_qb, stride_qh, stride_qn, stride_kb, stride_kh, stride_kn,
               stride_vb, stride_vh, stride_vn, stride_ob, stride_oh, stride_on,
-              H, GROUP, N_Q, N_K, left, right, qk_scale,
+              H, GROUP, N_Q, N_K, left, right, qk_scale, N_Q_BUCKET, N_K_BUCKET,
               HEAD_DIM: tl.constexpr, BLOCK_D: tl.constexpr, HEADS_FIRST: tl.constexpr,
               BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr, USE_TMA: tl.constexpr):
-    """One program: the query tile from start_m of (batch b, head h), against kv head h // GROUP."""
+    """One program: the query tile from start_m of (batch b, head h), against kv head h // GROUP.
+    N_Q_BUCKET and N_K_BUCKET are only the tuner's key (launch.length_bucket)."""
     tile, bh, tiles = program_tile_and_head(HEADS_FIRST)
     start_m = query_tile_start(tile, tiles, BLOCK_M)
     b, h = bh // H, bh % H
@@ -117,32 +148,54 @@ def _attn_fwd(Q, K, V, O, LSE,
     tl.store(LSE + bh * N_Q + rows, lse, mask=rows < N_Q)
 
 
+# flash_forward's launch plans (launch_plan.py): key -> (O's shape, O's strides, the launch).
+PLANS = {}
+
+
 def flash_forward(q, k, v, is_causal=False, window_size=(-1, -1), config=None):
     """O and lse of attention over q (B, H, N_q, D) and k, v (B, H_kv, N_k, D) (fewer dims are
     read as leading ones), any strides with unit stride along D. O comes back laid out in q's
     memory order (launch.new_like) and shaped (B, H, N_q, D); lse (B, H, N_q) float32. config: a
-    triton.Config of _attn_fwd's, to bypass the tuner and the Hopper kernel (tests, bench.py)."""
+    triton.Config of _attn_fwd's, to bypass the tuner, the Hopper kernel and the plans (tests,
+    bench.py). A layout seen before launches from its plan; the rest of this function is what
+    makes one."""
+    check_kernel_device(q)
+    key = plan_key((q, k, v), is_causal, tuple(window_size)) if config is None else None
+    plan = PLANS.get(key)
+    if plan is not None:
+        o_shape, o_strides, launch = plan
+        o = torch.empty_strided(o_shape, o_strides, dtype=q.dtype, device=q.device)
+        lse = torch.empty(o_shape[:3], dtype=torch.float32, device=q.device)
+        set_tma_scratch_allocator()
+        launch(q, k, v, o, lse)
+        return o, lse
     o = new_like(as_4d(q))
-    q, k, v = (descriptor_ready(t) for t in (q, k, v))
-    B, H, N_Q, D = q.shape
-    N_K = k.shape[2]
+    q4, k4, v4 = (descriptor_ready(t) for t in (q, k, v))
+    B, H, N_Q, D = q4.shape
+    N_K = k4.shape[2]
     lse = torch.empty((B, H, N_Q), dtype=torch.float32, device=q.device)
     if INTERPRETING and q.dtype == torch.bfloat16:
         # The interpreter's tl.dot is wrong on bfloat16 (numpy has no bf16): on the CPU, bf16 runs
         # in float32 and O is rounded to bf16 at the end.
-        o32, lse = flash_forward(q.float(), k.float(), v.float(), is_causal, window_size, config)
+        o32, lse = flash_forward(q4.float(), k4.float(), v4.float(), is_causal, window_size, config)
         return o.copy_(o32), lse
     if N_K == 0 or o.numel() == 0:  # no key to attend to: O = 0, lse = -inf
         return o.zero_(), lse.fill_(float("-inf"))
     left, right = window_bounds(is_causal, window_size)
-    if config is None and hopper_forward.serves(q, k, left, right):
-        hopper_forward.launch(q, k, v, o, lse, is_causal)
-        return o, lse
-    go_heads_first = heads_first(k, B * H)
-    grid = lambda meta: program_grid(triton.cdiv(N_Q, meta["BLOCK_M"]), B * H, go_heads_first)
-    kernel, config_args = (_attn_fwd, {}) if config is None else (_attn_fwd.fn, config.all_kwargs())
     set_tma_scratch_allocator()
-    kernel[grid](q, k, v, o, lse, *q.stride()[:3], *k.stride()[:3], *v.stride()[:3], *o.stride()[:3],
-                 H, H // k.shape[1], N_Q, N_K, left, right, D ** -0.5 * LOG2_E.value,
-                 HEAD_DIM=D, BLOCK_D=head_dim_block(D), HEADS_FIRST=go_heads_first, **config_args)
+    if config is None and hopper_forward.serves(q4, k4, left, right):
+        with kernels_may_load(q.device):
+            hopper_forward.launch(q4, k4, v4, o, lse, left, right)
+        return o, lse
+    go_heads_first = heads_first(k4, B * H)
+    grid = lambda meta: program_grid(cdiv(N_Q, meta["BLOCK_M"]), B * H, go_heads_first)
+    kernel, config_args = (_attn_fwd, {}) if config is None else (_attn_fwd.fn, config.all_kwargs())
+    args = (q4, k4, v4, o, lse, *q4.stride()[:3], *k4.stride()[:3], *v4.stride()[:3], *o.stride()[:3],
+            H, H // k4.shape[1], N_Q, N_K, left, right, D ** -0.5 * LOG2_E.value,
+            length_bucket(N_Q), length_bucket(N_K))
+    constexprs = dict(HEAD_DIM=D, BLOCK_D=head_dim_block(D), HEADS_FIRST=go_heads_first)
+    with kernels_may_load(q.device):
+        compiled = kernel[grid](*args, **constexprs, **config_args)
+    if key is not None and compiled is not None and same_memory((q, k, v), (q4, k4, v4)):
+        PLANS[key] = (o.shape, o.stride(), Launch(kernel, compiled, grid, args, constexprs, n_tensors=5))
     return o, lse

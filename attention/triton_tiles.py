@@ -1,5 +1,5 @@
 """The @triton.jit helpers both FlashAttention kernels share: where a program's tile starts, and
-how it reads and writes the (N, HEAD_DIM) matrix of one head a tile at a time. Which tiles it
+how it reads, writes and adds to the (N, HEAD_DIM) matrix of one head a tile at a time. Which tiles it
 visits and which scores in a tile it may see are masks.py's.
 
 The head dim is padded to BLOCK_D, the next power of two (at least 16, what tl.dot takes): the
@@ -86,3 +86,16 @@ def store_tile(matrix, start, tile, BLOCK: tl.constexpr, HEAD_DIM: tl.constexpr,
         rows = start + tl.arange(0, BLOCK)
         tl.store(base + rows[:, None] * stride_n + tl.arange(0, BLOCK_D)[None, :],
                  tile.to(base.dtype.element_ty), mask=in_bounds(rows, N, HEAD_DIM, BLOCK_D))
+
+
+@triton.jit
+def add_tile(matrix, start, tile, BLOCK: tl.constexpr, HEAD_DIM: tl.constexpr, BLOCK_D: tl.constexpr):
+    """Add tile to rows [start, start + BLOCK) of a float32 head matrix (pointers, never TMA),
+    with atomics, as many programs add to the same rows; rows past its end and padded columns
+    are dropped. Relaxed: nothing else in the launch reads the matrix, so no add has to wait for
+    another to be seen (Triton's default, acq_rel, orders each add against all memory); what
+    reads it is the next launch. The sum's order, and so its last bits, differs run to run."""
+    base, stride_n, N = matrix
+    rows = start + tl.arange(0, BLOCK)
+    tl.atomic_add(base + rows[:, None] * stride_n + tl.arange(0, BLOCK_D)[None, :], tile,
+                  mask=in_bounds(rows, N, HEAD_DIM, BLOCK_D), sem="relaxed")

@@ -1,5 +1,5 @@
 # A model small enough to train on 2 CPU cores: 100 iterations in well under a minute with
-# the eager backend on a quiet machine (the README's Train section has the measurement).
+# the eager backend on a quiet machine (the README's "On a CPU" paragraph has the measurement).
 # Used by the tests and CI; head dim 32, within the Triton kernels' limits.
 #   python train.py configs/tiny.py
 out_dir = "out-tiny"

@@ -27,8 +27,10 @@ def is_positive_int(value):
 META_FIELDS = {
     "dtype": (lambda value: value in TOKEN_DTYPES, f"one of {', '.join(TOKEN_DTYPES)}"),
     "vocab_size": (lambda value: is_positive_int(value) and value >= 2, "an int >= 2 (one token leaves nothing to predict)"),
-    "gpt2_ids": (lambda value: isinstance(value, list) and all(type(i) is int and i >= 0 for i in value),
-                 "a list of GPT-2 token ids (ints >= 0)"),
+    # Increasing, as prepare.py's DenseVocab writes them: sample.py and resume refuse any other.
+    "gpt2_ids": (lambda value: isinstance(value, list) and all(type(i) is int and i >= 0 for i in value)
+                 and all(a < b for a, b in zip(value, value[1:])),
+                 "a list of strictly increasing GPT-2 token ids (ints >= 0)"),
     "train_tokens": (is_positive_int, "an int >= 1"),
     "val_tokens": (is_positive_int, "an int >= 1"),
     "train_chars": (is_positive_int, "an int >= 1"),
@@ -76,7 +78,9 @@ def read_meta(data_dir):
         raise DataError(f"{path} lacks {', '.join(missing)}: prepare the data again")
     for key, (ok, expected) in META_FIELDS.items():
         if not ok(meta[key]):
-            raise DataError(f"{path} has {key}={meta[key]!r}, expected {expected}: prepare the data again")
+            text = repr(meta[key])  # gpt2_ids is thousands of ids long
+            raise DataError(f"{path} has {key}={text if len(text) <= 60 else text[:60] + '...'}, expected {expected}: "
+                            "prepare the data again")
     if len(meta["gpt2_ids"]) != meta["vocab_size"]:
         raise DataError(f"{path} has {len(meta['gpt2_ids'])} gpt2_ids for vocab_size={meta['vocab_size']}, "
                         "expected one GPT-2 id per token id: prepare the data again")

@@ -6,12 +6,20 @@ import os
 
 
 @contextlib.contextmanager
-def folder_lock(path, wait=True):
+def folder_lock(path, wait=True, announce=None):
     """Exclusive use of a folder, by flock on the folder itself (no lock file to leave behind);
-    wait=False raises BlockingIOError when another process holds it."""
+    wait=False raises BlockingIOError when another process holds it. A wait is never silent
+    where the caller says what it waits for (announce, printed when the lock is held)."""
     fd = os.open(path, os.O_RDONLY)
     try:
-        fcntl.flock(fd, fcntl.LOCK_EX | (0 if wait else fcntl.LOCK_NB))
+        try:
+            fcntl.flock(fd, fcntl.LOCK_EX | fcntl.LOCK_NB)
+        except BlockingIOError:
+            if not wait:
+                raise
+            if announce:
+                print(announce, flush=True)
+            fcntl.flock(fd, fcntl.LOCK_EX)
         yield
     finally:
         os.close(fd)  # closing releases the lock

@@ -16,6 +16,8 @@ import attention  # noqa: F401  (first: without a GPU it picks Triton's interpre
 from data.shakespeare.prepare import use_shared_data
 
 REPO = Path(__file__).resolve().parent.parent
+# tests/exit_watchdog.py: a finished pytest process that does not exit names what holds it.
+pytest_plugins = ["exit_watchdog"]
 
 # The scripts' rule for offline data (see prepare.py): the variables CI sets, else shared/data
 # beside the repo. Applied here too, for the tests that use tiktoken without prepare().
@@ -33,6 +35,26 @@ def share_the_cores_among_the_workers():
 
 
 share_the_cores_among_the_workers()
+
+
+def pytest_addoption(parser):
+    parser.addoption("--impl", choices=("ours", "mine"), default="ours",
+                     help="mine: run the repo's code with each function you have written in mine/ in place of ours "
+                          "(docs/learn.md, Write it yourself)")
+
+
+def pytest_configure(config):
+    """--impl=mine swaps your functions in before any test is collected, so before any kernel
+    compiles; xdist's workers configure themselves alike."""
+    if config.getoption("impl") == "mine":
+        import mine
+        config.mine_swapped = mine.use_mine()
+
+
+def pytest_report_header(config):
+    if config.getoption("impl") == "mine":
+        swapped = [f"{step.file.replace('.', '/')}.py {name}" for step, name in config.mine_swapped]
+        return f"--impl=mine: yours in place of ours: {', '.join(swapped) or 'none yet'}"
 
 
 @pytest.hookimpl(trylast=True)  # after pytest-xdist's own hook, so its suffix, where it works, is seen

@@ -13,10 +13,11 @@ from attention.eager import eager_attention_with_lse
 from attention.hopper import backward as hopper_backward
 from attention.hopper import common as hopper_common
 from attention.hopper import forward as hopper_forward
-from attention.launch import descriptor_ready, fitting_configs, shared_memory_bytes
-from attention.masks import UNBOUNDED
+from attention.launch import candidates, descriptor_ready, fitting_configs, shared_memory_bytes
+from attention.masks import UNBOUNDED, window_bounds
 from attention.tiled import tiled_forward
-from attention.triton_backward import BACKWARD_CONFIGS, _attn_bwd, backward_smem_rows, flash_backward
+from attention.triton_backward import (BACKWARD_CONFIGS, _attn_bwd, _attn_bwd_delta, atomic, backward_smem_rows,
+                                      flash_backward)
 from attention.triton_forward import FORWARD_CONFIGS, _attn_fwd, flash_forward, forward_smem_rows
 from conftest import default_run
 
@@ -320,7 +321,8 @@ def test_triton_kernels_with_explicit_tiles(block_m, block_n, is_causal, window_
                                             monkeypatch):
     """Tiles smaller than the sequence, with BLOCK_M != BLOCK_N: tiles cross the diagonal and the
     window's edges, and both sequences end mid-tile. Both load paths: TMA descriptors (Hopper)
-    and masked pointer loads (other cards). Both grid orders. Two query heads per kv head."""
+    and masked pointer loads (other cards). Both grid orders. Two query heads per kv head. Both
+    backward schedules, split and atomic, each with both load paths and both grid orders."""
     launch_heads_first(monkeypatch, heads_first)
     q, k, v = (t.detach() for t in random_qkv((1, 4, 83, 32), 71, h_kv=2, seed=block_m + block_n))
     config = triton.Config({"BLOCK_M": block_m, "BLOCK_N": block_n, "USE_TMA": use_tma})
@@ -330,9 +332,35 @@ def test_triton_kernels_with_explicit_tiles(block_m, block_n, is_causal, window_
     assert_close(o, o_ref, 1e-4, "O")
     assert_close(lse, lse_ref, 1e-5, "lse")
     # The dK/dV job streams query tiles of its own size: here block_n, unlike the dQ job's block_m.
-    config = triton.Config({"BLOCK_M": block_m, "BLOCK_N": block_n, "DKDV_BLOCK_M": block_n, "USE_TMA": use_tma})
+    config = triton.Config({"BLOCK_M": block_m, "BLOCK_N": block_n, "DKDV_BLOCK_M": block_n,
+                            "ATOMIC_DQ": use_tma != heads_first, "USE_TMA": use_tma})
     dq, dk, dv = flash_backward(q, k, v, o, do, lse, is_causal, window_size, config=config)
     assert_all_close([("dQ", dq, dq_ref), ("dK", dk, dk_ref), ("dV", dv, dv_ref)], 1e-4)
+
+
+@pytest.mark.parametrize("head_dim", [8, 48, 160, 256])
+def test_atomic_backward_at_padded_head_dims(head_dim):
+    """The atomic schedule adds dQ's shares of a padded head dim: the padding's columns are
+    never added, the rest are. Grouped-query heads, rows past both sequences' ends."""
+    q, k, v = (t.detach() for t in random_qkv((1, 4, 37, head_dim), 29, h_kv=2, seed=head_dim))
+    o, lse = flash_forward(q, k, v, True)
+    do = torch.randn_like(o)
+    _, _, dq_ref, dk_ref, dv_ref = reference(q, k, v, True, do)
+    dq, dk, dv = flash_backward(q, k, v, o, do, lse, True, config=atomic(16, 32, warps=4, stages=2))
+    assert_all_close([("dQ", dq, dq_ref), ("dK", dk, dk_ref), ("dV", dv, dv_ref)], 1e-4)
+
+
+def test_the_delta_kernel_zeroes_the_dq_accumulator():
+    """The atomic schedule adds into an accumulator nothing else clears: the delta kernel zeroes
+    every element of it (here poisoned with NaN), padded head dim and a last tile cut short included."""
+    B, H, N, D = 2, 3, 70, 24
+    o, do = torch.randn(B, H, N, D), torch.randn(B, H, N, D)
+    dq_acc, delta = torch.full((B, H, N, D), float("nan")), torch.empty(B, H, N)
+    _attn_bwd_delta[(triton.cdiv(N, 64), B * H)](o, do, delta, dq_acc, *o.stride()[:3], *do.stride()[:3],
+                                                 *dq_acc.stride()[:3], H, N, HEAD_DIM=D, BLOCK_D=32,
+                                                 HEADS_FIRST=False, BLOCK_M=64, ZERO_DQ=True)
+    assert dq_acc.eq(0).all()
+    assert_close(delta, (o.double() * do.double()).sum(-1), 1e-5, "delta")
 
 
 @pytest.mark.parametrize("backend", ["tiled", "triton", "triton_fwd"])
@@ -367,15 +395,41 @@ def test_triton_gradients_come_from_triton_kernels(monkeypatch):
         attention(q, k, v, True, "triton").sum().backward()
 
 
-def test_custom_ops_pass_opcheck():
-    """Schema, fake implementation with the real outputs' strides, and AOT dispatch, on the
-    model's strided views (grouped, windowed) and on contiguous tensors."""
-    leaf = torch.randn(1, 17, 8, 16)
-    views = leaf.transpose(1, 2).split([4, 2, 2], dim=1)
-    for (q, k, v), mask in ((views, (True, [3, 0])), ([t.contiguous() for t in views], (False, [-1, -1]))):
-        torch.library.opcheck(torch.ops.nanofa2.flash_forward, (q, k, v, *mask))
-        o, lse = torch.ops.nanofa2.flash_forward(q, k, v, *mask)
-        torch.library.opcheck(torch.ops.nanofa2.flash_backward, (q, k, v, o, torch.randn_like(o), lse, *mask))
+def custom_op_calls(device, dtype, n=9, head_dim=16, cache_rows=19):
+    """(operator, arguments) for every nanofa2 custom operator: flash_forward and flash_backward
+    on the model's strided views of one projection (grouped-query heads, a causal window) and on
+    contiguous tensors with N_k != N_q (no mask); decode_attention with the window's left side
+    unbounded (the kernel's large int) and bounded. The CPU test runs them in the interpreter, the
+    GPU test on the card: one list, so that neither calls an operator by a schema it lost."""
+    g = torch.Generator().manual_seed(0)
+
+    def randn(*shape):
+        return torch.randn(*shape, generator=g).to(device, dtype)
+    ops = torch.ops.nanofa2
+    views = randn(1, n, 8, head_dim).transpose(1, 2).split([4, 2, 2], dim=1)
+    contiguous = randn(1, 4, n, head_dim), randn(1, 2, n + 4, head_dim), randn(1, 2, n + 4, head_dim)
+    calls = []
+    for (q, k, v), mask in ((views, (True, [3, 0])), (contiguous, (False, [-1, -1]))):
+        o, lse = ops.flash_forward(q, k, v, *mask)  # the backward's own inputs
+        calls += [(ops.flash_forward.default, (q, k, v, *mask)),
+                  (ops.flash_backward.default, (q, k, v, o, randn(*o.shape), lse, *mask))]
+    q, k, v = randn(2, 1, 8, head_dim).transpose(1, 2).split([4, 2, 2], dim=1)
+    for left in (-1, 4):
+        caches = randn(2, 2, cache_rows, head_dim), randn(2, 2, cache_rows, head_dim)
+        calls.append((ops.decode_attention.default, (q, k, v, *caches, torch.tensor([7], device=device),
+                                                     window_bounds(False, (left, 0))[0])))
+    return calls
+
+
+def test_every_custom_op_passes_opcheck():
+    """Schema, fake implementation with the real outputs' strides, AOT dispatch, and the inputs an
+    operator writes declared in its schema (decode's caches): for every operator the package
+    registers, so that a new one, or a schema changed under a caller, fails here."""
+    calls = custom_op_calls("cpu", torch.float32)
+    registered = {name for name in torch._C._dispatch_get_all_op_names() if name.startswith("nanofa2::")}
+    assert {op.name() for op, _ in calls} == registered
+    for op, args in calls:
+        torch.library.opcheck(op, args)
 
 
 @pytest.mark.parametrize("backend", ["tiled", "triton", "triton_fwd"])
@@ -399,34 +453,67 @@ def test_flash_attention_triton_is_the_triton_backend():
     assert torch.equal(FlashAttentionTriton.apply(q, k, v, True), attention(q, k, v, True, "triton"))
 
 
-@pytest.mark.parametrize("kernel", [hopper_forward, hopper_backward], ids=("forward", "backward"))
-def test_hopper_kernels_serve_only_what_they_were_built_for(kernel, monkeypatch):
-    """On a (pretend) compiled Hopper card each Gluon kernel takes the head dims, masks and
-    lengths of its TILES and MIN_KEYS; never grouped-query heads, a window, float32, or the
-    consumer-card path; and on this CPU, nothing at all."""
-    head_dim, is_causal = next(iter(kernel.TILES))
-    left, right = UNBOUNDED, 0 if is_causal else UNBOUNDED
-    q = torch.randn(1, 2, kernel.MIN_KEYS[head_dim, is_causal], head_dim, dtype=torch.bfloat16)
-    assert not kernel.serves(q, q, left, right)  # the interpreter: no Gluon
+def pretend_hopper(monkeypatch):
+    """A compiled Hopper card, as the Gluon kernels' entry rule sees it."""
     monkeypatch.setattr(hopper_common, "is_hopper", lambda device: True)
     monkeypatch.setattr(hopper_common, "INTERPRETING", False)
-    assert kernel.serves(q, q, left, right)
-    assert not kernel.serves(q, q[:, :1], left, right)  # grouped-query heads
-    assert not kernel.serves(q, q, 100, right)  # a window
-    assert not kernel.serves(q.float(), q.float(), left, right)
-    assert not kernel.serves(q, q[:, :, :-1], left, right)  # fewer keys than MIN_KEYS
+
+
+@pytest.mark.parametrize("kernel", [hopper_forward, hopper_backward], ids=("forward", "backward"))
+@pytest.mark.parametrize("head_dim,window", [(64, False), (64, True), (128, False), (128, True)])
+def test_hopper_kernels_serve_only_what_they_were_built_for(kernel, head_dim, window, monkeypatch):
+    """On a (pretend) compiled Hopper card each Gluon kernel takes the head dims and lengths of
+    its TILES and MIN_KEYS, under every mask (causal, any window, none) and with grouped-query
+    heads; never float32, another head dim, or the consumer-card path; and on this CPU, nothing
+    at all."""
+    min_keys = kernel.MIN_KEYS[head_dim, window]
+    q = torch.randn(1, 4, min_keys, head_dim, dtype=torch.bfloat16)
+    sides = [(UNBOUNDED, 0), (100, 0), (31, 17), (UNBOUNDED, 40), (0, 0)] if window else [(UNBOUNDED, UNBOUNDED)]
+    assert not kernel.serves(q, q, *sides[0])  # the interpreter: no Gluon
+    pretend_hopper(monkeypatch)
+    for left, right in sides:
+        assert kernel.serves(q, q, left, right) and kernel.serves(q, q[:, :1], left, right), (left, right)  # MHA, MQA
+        assert kernel.tiles_for(head_dim, left, right) is kernel.TILES[head_dim, window]
+        assert not kernel.serves(q.float(), q.float(), left, right)
+        assert not kernel.serves(q, q[:, :, :-1], left, right)  # fewer keys than MIN_KEYS
+    wide = torch.randn(1, 4, min_keys, 96, dtype=torch.bfloat16)
+    assert not kernel.serves(wide, wide, *sides[0])  # a head dim without tiles
     monkeypatch.setattr(hopper_common, "ADA_PATH", True)
-    assert not kernel.serves(q, q, left, right)
+    assert not kernel.serves(q, q, *sides[0])
+
+
+@pytest.mark.parametrize("heads,kv_heads,is_causal,window_size", [
+    (4, 4, True, (-1, -1)), (4, 1, False, (-1, -1)), (4, 2, True, (256, 0)), (4, 4, False, (31, 17)),
+    (6, 2, False, (-1, 40)), (4, 2, False, (1000, -1))])
+def test_flash_forward_and_backward_hand_windows_and_grouped_heads_to_the_hopper_kernels(
+        heads, kv_heads, is_causal, window_size, monkeypatch):
+    """On a (pretend) Hopper card, flash_forward and flash_backward give a 16-bit call the Gluon
+    kernels serve to them, kv heads and the mask's two sides as they are (left, right from
+    window_bounds); float32 goes to the Triton kernels (here, the interpreter)."""
+    pretend_hopper(monkeypatch)
+    monkeypatch.setattr(hopper_forward, "MIN_KEYS", dict.fromkeys(hopper_forward.MIN_KEYS, 64))
+    monkeypatch.setattr(hopper_backward, "MIN_KEYS", dict.fromkeys(hopper_backward.MIN_KEYS, 64))
+    launched = []
+    monkeypatch.setattr(hopper_forward, "launch", lambda q, k, v, o, lse, left, right: launched.append(
+        ("forward", k.shape[1], left, right)) or o.zero_())
+    monkeypatch.setattr(hopper_backward, "launch", lambda q, k, v, do, lse, delta, left, right, dq, dk, dv:
+                        launched.append(("backward", k.shape[1], left, right)))
+    sides = window_bounds(is_causal, window_size)
+    q, k, v = (t.detach() for t in random_qkv((1, heads, 70, 64), 90, h_kv=kv_heads, dtype=torch.float16))
+    o, lse = flash_forward(q, k, v, is_causal, window_size)
+    flash_backward(q, k, v, o, torch.randn_like(q), lse, is_causal, window_size)
+    assert launched == [("forward", kv_heads, *sides), ("backward", kv_heads, *sides)]
+    o, lse = flash_forward(q.float(), k.float(), v.float(), is_causal, window_size)  # no Gluon in float32
+    assert len(launched) == 2 and torch.isfinite(o).all()
 
 
 def test_the_hopper_backward_gives_way_to_deterministic_algorithms(monkeypatch):
     """hopper/backward.py's dQ is a sum in whatever order TMA's reduces land: under
     torch.use_deterministic_algorithms the split Triton backward runs instead."""
-    monkeypatch.setattr(hopper_common, "is_hopper", lambda device: True)
-    monkeypatch.setattr(hopper_common, "INTERPRETING", False)
-    (head_dim, is_causal), min_keys = next(iter(hopper_backward.MIN_KEYS.items()))
+    pretend_hopper(monkeypatch)
+    (head_dim, window), min_keys = next(iter(hopper_backward.MIN_KEYS.items()))
     q = torch.randn(1, 2, min_keys, head_dim, dtype=torch.bfloat16)
-    right = 0 if is_causal else UNBOUNDED
+    right = 0 if window else UNBOUNDED
     assert hopper_backward.serves(q, q, UNBOUNDED, right)
     torch.use_deterministic_algorithms(True)
     try:
@@ -448,8 +535,8 @@ def test_the_consumer_card_keeps_configs_that_fit_it(head_dim, dtype, monkeypatc
     under NANOFA2_ADA=1) each kernel keeps only cp.async configs that fit, and always has one."""
     configs_on(monkeypatch, has_tma=False, limit=launch.ADA_SHARED_MEMORY_BYTES)
     q = torch.empty(1, 1, 4096, head_dim, dtype=dtype, device="meta")
-    for configs, smem_rows in ((FORWARD_CONFIGS, forward_smem_rows), (BACKWARD_CONFIGS, backward_smem_rows)):
-        kept = fitting_configs(configs, smem_rows, q, head_dim, 4096, 4096)
+    for table, smem_rows in ((FORWARD_CONFIGS, forward_smem_rows), (BACKWARD_CONFIGS, backward_smem_rows)):
+        kept = fitting_configs(candidates(table, q.device, head_dim), smem_rows, q, head_dim, 4096, 4096)
         assert kept and not any(c.kwargs["USE_TMA"] for c in kept)
         size = q.element_size()
         assert all(shared_memory_bytes(c, smem_rows, head_dim, size, False) <= launch.ADA_SHARED_MEMORY_BYTES
@@ -460,15 +547,71 @@ def test_hopper_keeps_tma_configs_only_for_unpadded_head_dims(monkeypatch):
     configs_on(monkeypatch, has_tma=True, limit=232448)
     for head_dim, tma_kept in ((64, True), (80, False)):
         q = torch.empty(1, 1, 4096, head_dim, dtype=torch.bfloat16, device="meta")
-        kept = fitting_configs(FORWARD_CONFIGS, forward_smem_rows, q, head_dim, 4096, 4096)
+        kept = fitting_configs(candidates(FORWARD_CONFIGS, q.device, head_dim), forward_smem_rows, q, head_dim, 4096,
+                               4096)
         assert any(c.kwargs["USE_TMA"] for c in kept) == tma_kept
 
 
 def test_short_sequences_keep_short_tiles(monkeypatch):
     configs_on(monkeypatch, has_tma=False, limit=launch.ADA_SHARED_MEMORY_BYTES)
     q = torch.empty(1, 1, 20, 64, dtype=torch.bfloat16, device="meta")
-    kept = fitting_configs(FORWARD_CONFIGS, forward_smem_rows, q, 64, 20, 20)
+    kept = fitting_configs(candidates(FORWARD_CONFIGS, q.device, 64), forward_smem_rows, q, 64, 20, 20)
     assert kept and all(c.kwargs["BLOCK_M"] <= 20 and c.kwargs["BLOCK_N"] <= 20 for c in kept)
+
+
+def timed_configs(table, smem_rows, head_dim, deterministic=False):
+    """What the tuner times for a bf16 call at 4,096 tokens, on the card configs_on pretends."""
+    q = torch.empty(1, 4, 4096, head_dim, dtype=torch.bfloat16, device="meta")
+    return launch.pruned_configs(table, smem_rows, dict(Q=q, N_Q=4096, N_K=4096, N_Q_BUCKET=4096, N_K_BUCKET=4096),
+                                 dict(HEAD_DIM=head_dim, DETERMINISTIC=deterministic))
+
+
+@pytest.mark.parametrize("head_dim", [32, 64, 128])
+def test_the_tuner_times_both_backward_schedules_on_the_consumer_card(head_dim, monkeypatch):
+    """On the consumer card the tuner may choose the atomic schedule or the split one, and FA2's
+    own forward tile, 128 x 64 with 4 warps (no TMA); under torch.use_deterministic_algorithms
+    it times the split alone."""
+    configs_on(monkeypatch, has_tma=False, limit=launch.ADA_SHARED_MEMORY_BYTES)
+    monkeypatch.setattr(torch.cuda, "is_current_stream_capturing", lambda: False)
+    timed = timed_configs(BACKWARD_CONFIGS, backward_smem_rows, head_dim)
+    assert {c.kwargs["ATOMIC_DQ"] for c in timed} == {True, False}
+    deterministic = timed_configs(BACKWARD_CONFIGS, backward_smem_rows, head_dim, deterministic=True)
+    assert deterministic and not any(c.kwargs["ATOMIC_DQ"] for c in deterministic)
+    forward = [(c.kwargs["BLOCK_M"], c.kwargs["BLOCK_N"], c.num_warps) for c in
+               timed_configs(FORWARD_CONFIGS, forward_smem_rows, head_dim)]
+    assert (128, 64, 4) in forward
+
+
+def test_hopper_times_its_own_lists(monkeypatch):
+    """Hopper (TMA, 227 KB) times the first three of its own lists that fit: the split backward
+    only, as measured there."""
+    configs_on(monkeypatch, has_tma=True, limit=232448)
+    monkeypatch.setattr(torch.cuda, "is_current_stream_capturing", lambda: False)
+    q = torch.empty(1, 4, 4096, 64, dtype=torch.bfloat16, device="meta")
+    for table, smem_rows in ((FORWARD_CONFIGS, forward_smem_rows), (BACKWARD_CONFIGS, backward_smem_rows)):
+        assert timed_configs(table, smem_rows, 64) == fitting_configs(table["hopper", 256], smem_rows, q, 64, 4096,
+                                                                      4096)[:launch.TIMED_CONFIGS]
+    assert not any(c.kwargs["ATOMIC_DQ"] for c in timed_configs(BACKWARD_CONFIGS, backward_smem_rows, 64))
+
+
+def test_deterministic_algorithms_run_the_split_backward_and_repeat_its_bits():
+    """In the interpreter the tuner picks the atomic schedule where it fits (the fewest programs);
+    under torch.use_deterministic_algorithms(True), the split, which gives the same bits twice."""
+    q, k, v = (t.detach() for t in random_qkv((1, 4, 70, 16), 70, h_kv=2, seed=11))
+    o, lse = flash_forward(q, k, v, True)
+    do = torch.randn_like(o)
+    _, _, *grads_ref = reference(q, k, v, True, do)
+    flash_backward(q, k, v, o, do, lse, True)
+    assert _attn_bwd.best_config.kwargs["ATOMIC_DQ"]
+    torch.use_deterministic_algorithms(True)
+    try:
+        first = flash_backward(q, k, v, o, do, lse, True)
+        assert not _attn_bwd.best_config.kwargs["ATOMIC_DQ"]
+        second = flash_backward(q, k, v, o, do, lse, True)
+    finally:
+        torch.use_deterministic_algorithms(False)
+    assert all(torch.equal(a, b) for a, b in zip(first, second))
+    assert_all_close([(name, g, ref) for name, g, ref in zip(("dQ", "dK", "dV"), first, grads_ref)], 1e-4)
 
 
 def test_the_tuner_times_and_runs_nothing_inside_a_cuda_graph_capture(monkeypatch):
@@ -591,12 +734,12 @@ def test_gpu_every_tile_config_is_correct(head_dim, is_causal, dtype, heads_firs
             assert_close(got, ref, tol, f"{name} with {config}")
 
 
-def hopper_served(kernel, n_k, head_dim, is_causal):
+def hopper_served(kernel, n_k, head_dim, is_causal, window_size=(-1, -1), heads=1, kv_heads=1):
     if not hopper_common.is_hopper(torch.device("cuda")) or launch.ADA_PATH:
         pytest.skip("the warp-specialised kernels are Hopper's")
-    q = torch.empty(1, 1, 1, head_dim, dtype=torch.bfloat16, device="cuda")
-    k = torch.empty(1, 1, n_k, head_dim, dtype=torch.bfloat16, device="cuda")
-    assert kernel.serves(q, k, UNBOUNDED, 0 if is_causal else UNBOUNDED)
+    q = torch.empty(1, heads, 1, head_dim, dtype=torch.bfloat16, device="cuda")
+    k = torch.empty(1, kv_heads, n_k, head_dim, dtype=torch.bfloat16, device="cuda")
+    assert kernel.serves(q, k, *window_bounds(is_causal, window_size))
 
 
 @pytest.fixture
@@ -609,7 +752,7 @@ def hopper_from_few_keys(monkeypatch):
 
 @gpu
 @pytest.mark.parametrize("dtype", [torch.bfloat16, torch.float16])
-@pytest.mark.parametrize("head_dim,is_causal", list(hopper_forward.TILES))
+@pytest.mark.parametrize("head_dim,is_causal", list(hopper_forward.TILES))  # (head dim, window): causal as the window
 @pytest.mark.parametrize("n_q,n_k", [(2049, 2049), (300, 4097), (5000, 2048), (1, 3001), (257, 257)])
 def test_gpu_hopper_kernels(n_q, n_k, head_dim, is_causal, dtype, hopper_from_few_keys):
     """The Gluon forward and backward where they serve: O, lse, dQ, dK, dV against float64, on
@@ -629,6 +772,32 @@ def test_gpu_hopper_kernels(n_q, n_k, head_dim, is_causal, dtype, hopper_from_fe
     assert_close(lse, lse_ref, 1e-4, "lse")  # float32 scores of exact 16-bit products
     for name, got, ref in (("dQ", dq, dq_ref), ("dK", dk, dk_ref), ("dV", dv, dv_ref)):
         assert_close(got, ref, GPU_TOLERANCE[dtype], name)
+
+
+@gpu
+@pytest.mark.parametrize("head_dim", [64, 128])
+@pytest.mark.parametrize("heads,kv_heads", [(4, 1), (6, 2), (3, 3)])
+@pytest.mark.parametrize("is_causal,window_size", [(True, (-1, -1)), (True, (256, 0)), (False, (100, 37)),
+                                                   (False, (0, 0)), (False, (-1, 40)), (False, (1000, -1))])
+@pytest.mark.parametrize("n_q,n_k", [(2049, 2049), (300, 1500), (1500, 700)])
+def test_gpu_hopper_kernels_grouped_heads_and_windows(n_q, n_k, is_causal, window_size, heads, kv_heads, head_dim,
+                                                      hopper_from_few_keys):
+    """The Gluon forward and backward on grouped-query heads (query head h reads kv head
+    h // G; a kv head's dK and dV add up its G query heads' parts) and windows (masked tiles at
+    both edges, rows of N_q > N_k that see no key: O = 0, lse = -inf, no gradient), against
+    float64, in bfloat16."""
+    hopper_served(hopper_forward, n_k, head_dim, is_causal, window_size, heads, kv_heads)
+    hopper_served(hopper_backward, n_k, head_dim, is_causal, window_size, heads, kv_heads)
+    g = torch.Generator().manual_seed(n_q + heads)
+    q, k, v = (t.detach() for t in random_qkv((2, heads, n_q, head_dim), n_k, h_kv=kv_heads, dtype=torch.bfloat16,
+                                               device="cuda", seed=n_k + kv_heads))
+    do = torch.randn(q.shape, generator=g).to(q)
+    o, lse = flash_forward(q, k, v, is_causal, window_size)
+    dq, dk, dv = flash_backward(q, k, v, o, do, lse, is_causal, window_size)
+    o_ref, lse_ref, dq_ref, dk_ref, dv_ref = reference(q, k, v, is_causal, do, window_size)
+    tol = GPU_TOLERANCE[torch.bfloat16]
+    assert_all_close([("O", o, o_ref), ("dQ", dq, dq_ref), ("dK", dk, dk_ref), ("dV", dv, dv_ref)], tol)
+    assert_close(lse, lse_ref, 1e-4, "lse")
 
 
 @gpu

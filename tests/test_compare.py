@@ -155,6 +155,48 @@ def test_from_runs_with_a_corrupt_config_json_exits_2_in_one_line(trained_out_di
     assert not (tmp_path / "report").exists()
 
 
+PROFILE = {"device": "cpu", "steps": 3, "step_ms": 12.5, "ms": {"attention forward": 1.0, "attention backward": 2.0,
+           "matmuls": 3.0, "output layer + loss": 1.0, "optimizer": 0.5, "everything else": 1.0, "idle": 0.1}}
+
+
+@pytest.mark.parametrize("fault, file, field", [
+    (lambda run: edit_json(run / "config.json", attn=["eager"]), "config.json", "attn=['eager'], expected a string"),
+    (lambda run: edit_json(run / "config.json", n_layer="2"), "config.json", "n_layer='2', expected an int"),
+    (lambda run: edit_json(run / "config.json", gpu=3), "config.json", "gpu=3, expected a string or None"),
+    (lambda run: edit_json(run / "metrics.jsonl", loss="low"), "metrics.jsonl", "a record with loss='low', expected a "
+                                                                                 "number"),
+    (lambda run: (run / "profile.json").write_text(json.dumps(PROFILE)[:50]), "profile.json",
+     "cannot be read (JSONDecodeError: "),
+    (lambda run: (run / "profile.json").write_text(json.dumps({**PROFILE, "ms": {"idle": 1.0}})), "profile.json",
+     "is not a train.py profile: its ms lacks attention forward"),
+], ids=["attn a list", "n_layer a string", "gpu a number", "loss a string", "profile truncated", "profile's ms"])
+def test_from_runs_with_a_field_train_py_did_not_write_exits_2_naming_file_and_field(fault, file, field,
+                                                                                    trained_out_dir, tmp_path, capsys):
+    # Each was a traceback as the report was written (a TypeError, a ValueError, a JSONDecodeError).
+    from compare import parse_args
+
+    run = fake_run(tmp_path, "run", trained_out_dir)
+    (run / "profile.json").write_text(json.dumps(PROFILE))
+    parse_args([f"--from_runs={run}", f"--out={tmp_path / 'report'}"])  # the faithful copy passes
+    fault(run)
+    with pytest.raises(SystemExit) as exit_info:
+        parse_args([f"--from_runs={run}", f"--out={tmp_path / 'report'}"])
+    assert exit_info.value.code == 2
+    err = capsys.readouterr().err
+    assert err.startswith(f"config error: from_runs: {run / file} ") and field in err, err
+    assert len(err.strip().splitlines()) == 1 and not (tmp_path / "report").exists()
+
+
+def edit_json(path, **changes):
+    """config.json with keys changed, or every record of metrics.jsonl that has them."""
+    if path.suffix == ".json":
+        path.write_text(json.dumps({**json.loads(path.read_text()), **changes}))
+    else:
+        records = [json.loads(line) for line in path.read_text().splitlines()]
+        path.write_text("".join(json.dumps({**r, **{k: v for k, v in changes.items() if k in r}}) + "\n"
+                                for r in records))
+
+
 def test_only_curves_within_a_pixel_of_eager_are_merged_into_its_curve():
     from compare import Run, coinciding_runs
 

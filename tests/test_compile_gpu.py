@@ -1,11 +1,14 @@
 """The Triton kernels under torch.compile and CUDA graphs, on the GPU (run by `.ci/gpu tests`).
-The CPU versions of these checks are in test_model.py, test_decode.py and test_train.py."""
+The CPU versions of these checks are in test_attention.py (the operators' opcheck, one list of
+calls for both), test_model.py, test_decode.py, test_step.py (the step's CUDA graph, the capture
+mocked) and test_train.py."""
 import pytest
 import torch
 
 from attention import FlashAttentionTriton, attention  # first: it picks Triton's interpreter where there is no GPU
 from conftest import run_script
 from model import GPT, GPTConfig, compile_model
+from test_attention import custom_op_calls
 from test_train import read_metrics, step_losses
 from torch._dynamo.testing import CompileCounterWithBackend  # noqa: E402 (imports triton)
 
@@ -23,22 +26,11 @@ def projection_views(B, N, H, H_kv, D, dtype=torch.bfloat16, seed=0):
     return qkv.transpose(1, 2).split([H, H_kv, H_kv], dim=1)
 
 
-@pytest.mark.parametrize("window_size", [(-1, -1), (63, 0)])
-def test_gpu_custom_ops_pass_opcheck(window_size):
-    """The opaque operators FlashAttentionTriton and decode_attention run: their fake
-    implementations give the real outputs' shapes and strides, and the decode operator's schema
-    declares the caches it writes."""
-    ops = torch.ops.nanofa2
-    is_causal = window_size[1] == 0
-    q, k, v = projection_views(2, 300, 4, 2, 64)
-    torch.library.opcheck(ops.flash_forward.default, (q, k, v, is_causal, *window_size))
-    o, lse = ops.flash_forward(q, k, v, is_causal, *window_size)  # the backward op's own inputs
-    torch.library.opcheck(ops.flash_backward.default, (q, k, v, o, torch.randn_like(o), lse, is_causal, *window_size))
-    q, k, v = projection_views(2, 1, 4, 2, 64, seed=1)
-    k_cache, v_cache = (torch.randn(2, 2, 37, 64, device="cuda", dtype=torch.bfloat16) for _ in range(2))
-    left = 2 ** 30 if window_size[0] < 0 else window_size[0]
-    torch.library.opcheck(ops.decode_attention.default,
-                          (q, k, v, k_cache, v_cache, torch.tensor([20], device="cuda"), left))
+def test_gpu_custom_ops_pass_opcheck():
+    """test_attention.py's opcheck of every operator, on the card in bfloat16 at the model's
+    sizes: the operators' fake implementations give the real outputs' shapes and strides there too."""
+    for op, args in custom_op_calls("cuda", torch.bfloat16, n=300, head_dim=64, cache_rows=37):
+        torch.library.opcheck(op, args)
 
 
 @pytest.mark.parametrize("heads", CONFIGS)
@@ -125,8 +117,9 @@ def test_gpu_attention_captured_at_a_new_shape_replays_the_right_output(window_s
     ("sdpa", ["--dropout=0.2"]),  # each replay draws new dropout masks, as the plain run does
 ])
 def test_gpu_cuda_graph_trains_like_the_plain_run(attn, extra, tiny_args, tmp_path):
-    """train.py --cuda_graph=True with accumulation and evaluation: step 1 runs uncaptured, step
-    2 is captured and replayed, the rest replay; every step's loss is the plain run's."""
+    """train.py --cuda_graph=True with accumulation and evaluation: step 1 runs uncaptured (the
+    capture's warm-up) and the graph is captured after it, the rest replay; every step's loss is
+    the plain run's."""
     args = [*tiny_args, "--device=cuda", "--dtype=float32", f"--attn={attn}", "--gradient_accumulation_steps=2",
             "--max_iters=6", "--eval_interval=3", "--log_interval=1", *extra]
     losses, val_losses = [], []

@@ -168,6 +168,20 @@ def test_the_default_run_compiles_and_replays_a_cuda_graph_on_a_gpu_and_neither_
     assert resolve_switches(TrainConfig(compile=True), "cpu").compile is True
 
 
+@pytest.mark.parametrize("bf16", [True, False])
+def test_the_gpu_runs_in_bfloat16_where_the_card_has_it_else_float16(bf16, monkeypatch):
+    # The CPU twin of test_trains_on_the_gpu_with_mixed_precision's dtype, the card mocked.
+    from training.devices import pick_dtype
+
+    monkeypatch.setattr(torch.cuda, "is_bf16_supported", lambda: bf16)
+    cuda = torch.device("cuda")
+    assert pick_dtype("auto", cuda) == (torch.bfloat16 if bf16 else torch.float16)
+    assert pick_dtype("float16", cuda) == torch.float16 and pick_dtype("auto", torch.device("cpu")) == torch.float32
+    if not bf16:
+        with pytest.raises(ConfigError, match="dtype='bfloat16' is not supported by this GPU; use float16 or auto"):
+            pick_dtype("bfloat16", cuda)
+
+
 def test_cuda_graph_takes_the_compile_modes_without_graphs_of_their_own():
     for mode in ("default", "max-autotune-no-cudagraphs"):
         check_config(TrainConfig(cuda_graph=True, compile=True, compile_mode=mode))
@@ -234,14 +248,51 @@ def test_the_default_runs_model_is_gpt_configs_defaults():
     assert TrainConfig().model_config(GPTConfig().vocab_size) == GPTConfig()
 
 
-@pytest.mark.parametrize("script", ["train.py", "sample.py"])
-@pytest.mark.parametrize("args, status", [(["--help"], 0), (["--bogus=1"], EXIT_BAD_CONFIG)], ids=["help", "bad key"])
-def test_help_and_a_bad_key_answer_before_torch_is_imported(script, args, status):
-    probe = (f"import runpy, sys; sys.argv = [{script!r}, *{args!r}]\n"
+def exit_before_torch(script, *args):
+    """(exit status, stderr, whether torch was imported by then): the script run as a user runs
+    it, up to its sys.exit."""
+    probe = (f"import runpy, sys; sys.argv = [{script!r}, *{list(map(str, args))!r}]\n"
              f"try: runpy.run_path({script!r}, run_name='__main__')\n"
              "except SystemExit as e: print(e.code, 'torch' in sys.modules)")
     result = subprocess.run([sys.executable, "-c", probe], cwd=REPO, capture_output=True, text=True, timeout=120)
-    assert result.stdout.split()[-2:] == [str(status), "False"], result.stdout + result.stderr
+    status, torch_loaded = result.stdout.split()[-2:]
+    return int(status), result.stderr, torch_loaded == "True"
+
+
+@pytest.mark.parametrize("script", ["train.py", "sample.py"])
+@pytest.mark.parametrize("args, status", [(["--help"], 0), (["--bogus=1"], EXIT_BAD_CONFIG)], ids=["help", "bad key"])
+def test_help_and_a_bad_key_answer_before_torch_is_imported(script, args, status):
+    assert exit_before_torch(script, *args)[::2] == (status, False)
+
+
+@pytest.mark.parametrize("key", ["out_dir", "data_dir"])
+def test_an_empty_folder_path_is_a_bad_config_before_torch_loads(key, tmp_path):
+    # It passed the path checks: out_dir='' met os.makedirs('') (a FileNotFoundError traceback),
+    # data_dir='' failed in prepare.py with exit 1.
+    paths = {"out_dir": tmp_path / "out", "data_dir": tmp_path / "data", key: ""}
+    status, stderr, torch_loaded = exit_before_torch("train.py", "configs/tiny.py",
+                                                     *(f"--{name}={path}" for name, path in paths.items()))
+    assert (status, torch_loaded) == (EXIT_BAD_CONFIG, False)
+    assert stderr == f"config error: {key}='': expected a folder's path (made if missing), got an empty one; " \
+                     "'.' is the current folder\n"
+    assert not any(tmp_path.iterdir())
+
+
+@pytest.mark.parametrize("args, message", [
+    (["configs/tiny.py", "--max_iters=1", "--out="], "out='': expected a folder's path (made if missing), got an "
+                                                      "empty one"),
+    (["--from_runs=,"], "from_runs=',': expected the out_dirs of train.py runs, comma-separated"),
+], ids=["out", "from_runs"])
+def test_compare_refuses_an_empty_path_before_any_run(args, message, tmp_path, capsys):
+    # compare.py --out= trained every backend, then failed to make the folder; --from_runs=,
+    # compared no run and exited 0. Its arguments are the first thing it reads.
+    from compare import parse_args
+
+    with pytest.raises(SystemExit) as exit_info:
+        parse_args([f"--out={tmp_path / 'report'}", *args])
+    assert exit_info.value.code == EXIT_BAD_CONFIG
+    assert capsys.readouterr().err.startswith(f"config error: {message}")
+    assert not any(tmp_path.iterdir())
 
 
 @pytest.mark.parametrize("body, what", [

@@ -1,15 +1,17 @@
 """decode_attention: one new token per sequence, stored into a static KV cache and attending over
 the cached keys its window sees, every backend against a float64 reference, with grouped-query
 heads, windows, odd cache lengths and any head dim; split-KV and its twin at every split count
-(splits past pos, before the window and past the cache's end; the partial outputs and
-log-sum-exps alike split for split), the split count the host picks, and the kernels' shared
-memory on the target card; the inputs it refuses (a cache of no rows, gradients the triton
-kernel cannot give, a pos of another dtype or outside the cache) and the cache rows that never
-change its result (stale NaN outside the window); sample_next_token, the one sampling function
-of every decoding path; a compiled decode step that draws exactly the tokens of the uncompiled
-one, and writes the cache in place; generation with the weights cast to bf16 once (no cast per
-token, the same tokens compiled or not, the cached logits those of the whole context)."""
+(splits past pos, before the window and past the cache's end; the partial outputs and log-sum-exps
+alike split for split), the split count the host picks, and the kernels' shared memory on the target
+card; the inputs it refuses (a cache of no rows or of rows that share memory, gradients the triton
+kernel cannot give, a pos of another dtype or outside the cache), an empty batch, and the cache rows
+that never change its result (stale NaN outside the window); sample_next_token, the one sampling
+function of every decoding path; a compiled decode step that draws exactly the tokens of the
+uncompiled one, and writes the cache in place; a decoder's CUDA graph, the capture mocked on the
+CPU; generation with the weights cast to bf16 once (no cast per token, the same tokens compiled or
+not, the cached logits those of the whole context)."""
 import json
+import math
 import os
 import subprocess
 import sys
@@ -17,14 +19,16 @@ import sys
 import pytest
 import torch
 
-from attention import BACKENDS, decode_attention, store_in_cache, triton_decode
+from attention import BACKENDS, decode, decode_attention, store_in_cache, triton_decode
 from attention.decode import cached_keys, tiled_decode_splits, tiled_split_kv_decode
 from attention.masks import window_bounds
 from attention.launch import ADA_SHARED_MEMORY_BYTES, head_dim_block
 from conftest import REPO, default_run
 from model import GPT, GPTConfig, sample_next_token
 from test_kv_cache import GQA_WINDOW, context_sensitive_gpt, prompt
-from torch._dynamo.testing import CompileCounter  # imports triton: after attention, which picks the interpreter
+from test_step import mock_cuda_graph
+# torch._dynamo imports triton: after attention, which picks the interpreter
+from torch._dynamo.testing import CompileCounter, CompileCounterWithBackend
 from torch.utils._python_dispatch import TorchDispatchMode
 from training.devices import generation_precision
 
@@ -112,6 +116,28 @@ def test_a_cache_of_no_rows_is_refused_naming_the_cache(backend):
         decode_attention(q, k, v, k_cache, v_cache, torch.tensor([0]), backend=backend)
 
 
+@pytest.mark.parametrize("backend", BACKENDS)
+@pytest.mark.parametrize("S", [8, 1100])  # 1,100 rows: past 4 tiles, so the split planner runs
+def test_an_empty_batch_decodes_to_the_empty_result_on_every_backend(backend, S):
+    # The split planner divided by the batch's programs, and the tiled twin's reshape could not
+    # infer a dim of an empty tensor; eager and sdpa gave the empty result.
+    q, k, v, k_cache, v_cache = decode_inputs(0, 4, 2, S, 16)
+    with torch.no_grad():
+        o = decode_attention(q, k, v, k_cache, v_cache, torch.tensor([5]), backend=backend)
+    assert o.shape == (0, 4, 1, 16) and o.dtype == q.dtype
+
+
+@pytest.mark.parametrize("backend", BACKENDS)
+@pytest.mark.parametrize("cache", ["k_cache", "v_cache"])
+def test_a_cache_whose_rows_share_memory_is_refused_naming_it_on_every_backend(backend, cache):
+    # expand() gives every sequence the same rows: the triton kernel stored each sequence's token
+    # on the one shared row and returned the wrong output; the others failed inside index_copy_.
+    inputs = dict(zip(("q", "k", "v", "k_cache", "v_cache"), decode_inputs(3, 4, 2, 8, 16)))
+    inputs[cache] = inputs[cache][:1].expand(3, -1, -1, -1)
+    with pytest.raises(ValueError, match=rf"^{cache} has rows that share memory \(stride 0 along dim 0"):
+        decode_attention(**inputs, pos=torch.tensor([3]), backend=backend)
+
+
 @pytest.mark.parametrize("backend", ["triton", "triton_fwd"])
 @pytest.mark.parametrize("needs_grad", ["q", "k", "v", "k_cache", "v_cache"])
 def test_gradients_through_the_triton_decode_are_refused_not_left_none(backend, needs_grad):
@@ -189,6 +215,14 @@ def test_a_pos_outside_the_cache_is_refused_naming_it_on_every_backend(backend, 
     with pytest.raises(ValueError, match=rf"pos={pos} is outside the cache's S=8 rows"):
         decode_attention(q, k, v, k_cache, v_cache, torch.tensor([pos]), backend=backend)
     assert torch.equal(k_cache, k_before) and torch.equal(v_cache, v_before)  # refused before any write
+
+
+@pytest.mark.parametrize("pos", [16, -1])
+def test_a_models_decode_step_at_a_pos_outside_the_cache_is_refused_by_decodes_check(pos):
+    # The position embedding read pos first: an IndexError (on a GPU a device-side assert).
+    gpt = context_sensitive_gpt("eager")
+    with pytest.raises(ValueError, match=rf"^pos={pos} is outside the cache's S=16 rows"):
+        gpt.decode_step(prompt(length=1), torch.tensor([pos]), gpt.new_cache(2))
 
 
 @pytest.mark.parametrize("backend", BACKENDS)
@@ -272,15 +306,6 @@ def test_an_unknown_decode_backend_is_named():
         decode_attention(*decode_inputs(1, 2, 1, 8, 16), torch.tensor([3]), backend="flash")
 
 
-@pytest.mark.parametrize("left", [-1, 4])
-def test_the_triton_decode_operator_passes_opcheck(left):
-    # opcheck also checks that the schema declares every input the operator writes: the caches.
-    # The operator takes the window's left side as the kernel does: unbounded is a large int.
-    q, k, v, k_cache, v_cache = decode_inputs(2, 4, 2, 19, 16)
-    torch.library.opcheck(torch.ops.nanofa2.decode_attention.default,
-                          (q, k, v, k_cache, v_cache, torch.tensor([7]), window_bounds(False, (left, 0))[0]))
-
-
 # Split-KV (triton_decode.py) and its twin (decode.tiled_decode_splits) at split counts and tiles
 # the tests choose: 16-key tiles, so that short caches have several tiles a split and splits
 # past pos, before the window and past the cache's end (7 splits of a 3- or 4-tile cache).
@@ -342,14 +367,15 @@ def test_split_kv_decode_matches_float64_at_every_split_count(backend, dtype, n_
 
 @pytest.mark.parametrize("B, H, H_kv, S, D, pos, left", SPLIT_SHAPES)
 def test_the_kernels_splits_are_the_twins_split_for_split(monkeypatch, B, H, H_kv, S, D, pos, left):
-    # The merge's inputs, the partial outputs and log-sum-exps, are the twin's: the same split
-    # bounds, and a split that sees no key gives lse = -inf and a zero output in both.
-    merges = Launches(triton_decode._merge_splits)
-    monkeypatch.setattr(triton_decode, "_merge_splits", merges)
+    # The merge's inputs, the partial outputs and log-sum-exps the split programs leave, are the
+    # twin's: the same split bounds, and a split that sees no key gives lse = -inf and a zero
+    # output in both. One launch, whose last program of each (batch, kv head) merges.
+    launches = Launches(triton_decode._decode_split)
+    monkeypatch.setattr(triton_decode, "_decode_split", launches)
     q, k, v, k_cache, v_cache = decode_inputs(B, H, H_kv, S, D)
     split_decode("triton", q, k, v, k_cache.clone(), v_cache.clone(), pos, left, 7)
-    (grid, (o_split, lse_split, *_)), = merges.calls
-    assert grid == (B * H,)
+    (grid, (*_, o_split, lse_split, counters, _)), = [(grid, args[:10]) for grid, args in launches.calls]
+    assert grid == (B * H_kv, 7) and not counters.any()  # the merging programs leave the counters at zero
     store_in_cache(k, v, k_cache, v_cache, torch.tensor([pos]))
     visible = cached_keys(torch.tensor([pos]), window_bounds(False, (left, 0))[0], S)
     o_twin, lse_twin = tiled_decode_splits(q, k_cache, v_cache, visible, 7, SPLIT_TILE)
@@ -376,41 +402,82 @@ def test_cache_rows_outside_the_window_never_reach_any_split(backend, left):
     torch.testing.assert_close(v_cache.double(), v_expected, atol=0, rtol=0, equal_nan=True)
 
 
-@pytest.mark.parametrize("S, splits", [(1100, 5), (37, 1)])
-def test_the_split_count_the_host_picks_is_what_the_kernel_runs(monkeypatch, S, splits):
+@pytest.mark.parametrize("backend", ["triton", "tiled"])
+@pytest.mark.parametrize("S, splits", [(4100, 4), (1100, 1)])
+def test_the_split_count_the_host_picks_is_what_the_kernel_and_its_twin_run(monkeypatch, backend, S, splits):
     # On the CPU the plan assumes the 4070 Super's 56 SMs: 2 (batch, kv head) pairs of a
-    # 1,100-row cache in 256-row tiles (D=16, float32) take 5 splits, one a tile; a 37-row
-    # cache takes one, and no merge.
-    launches = {name: Launches(getattr(triton_decode, name)) for name in ("_decode_split", "_merge_splits")}
-    for name, recorder in launches.items():
-        monkeypatch.setattr(triton_decode, name, recorder)
+    # 4,100-row cache in 256-row tiles (D=16, float32: 512 KB of K and V a pair) take 4 splits,
+    # at the 128 KB a split reads at least; a 1,100-row cache (140 KB a pair) takes one. The
+    # kernel runs them in one launch; the twin cuts the same splits and tiles.
+    kernel = Launches(triton_decode._decode_split)
+    monkeypatch.setattr(triton_decode, "_decode_split", kernel)
+    twin = []
+    monkeypatch.setattr(decode, "tiled_decode_splits",
+                        lambda *args: twin.append(args[-2:]) or tiled_decode_splits(*args))
     q, k, v, k_cache, v_cache = decode_inputs(1, 4, 2, S, 16)
     assert triton_decode.split_plan(k_cache) == (splits, 256)
     o_expected, _, _ = expected(q, k, v, k_cache, v_cache, S - 3, -1)
-    o = decode_attention(q, k, v, k_cache, v_cache, torch.tensor([S - 3]))
+    o = decode_attention(q, k, v, k_cache, v_cache, torch.tensor([S - 3]), backend=backend)
     torch.testing.assert_close(o.double(), o_expected, atol=1e-5, rtol=1e-5)
-    assert [grid for grid, _ in launches["_decode_split"].calls] == [(2, splits)]
-    assert [grid for grid, _ in launches["_merge_splits"].calls] == ([(4,)] if splits > 1 else [])
+    ran = [grid for grid, _ in kernel.calls] if backend == "triton" else twin
+    assert ran == [(2, splits)] if backend == "triton" else [(splits, 256)]
 
 
-@pytest.mark.parametrize("programs, n_tiles, splits", [
-    (8 * 16, 32, 2),    # batch 8 x 16 kv heads, 4,096 rows at D=64: 256 programs, about 2 an SM
-    (8 * 4, 64, 7),     # 4 kv heads at D=128 (64-row tiles): 7 splits, 224 programs
-    (1 * 4, 512, 57),   # batch 1, 32,768 rows: 55 and 56 give 10 tiles a split as 54 does
-    (212, 64, 1),       # 212 programs fill 80% of 264 slots already
-    (4, 4, 1),          # 4 tiles: a merge would cost more than it saves
-    (2 * 12, 2, 1),     # sample.py's default model at batch 2, 512 rows at D=32
-])
-def test_the_split_count_follows_flash_attention_2s_heuristic_on_an_h100(programs, n_tiles, splits):
-    assert triton_decode.decode_splits(programs, n_tiles, n_sms=132) == splits
+# (pairs, K and V bytes a pair, tiles, splits): bench.py's decode shapes on an H100 (132 SMs,
+# bf16; D=64 in 128-row tiles, D=128 in 64-row ones), the plan aiming at 264 programs of 128 KB
+# or more each.
+H100_PLANS = [
+    (8 * 16, 1 << 20, 32, 3),     # batch 8 x 16 kv heads, 4,096 rows at D=64: 3 splits of 11 tiles, 384 programs
+    (8 * 4, 1 << 20, 32, 8),      # 4 kv heads: 9 wanted, 8 cut the 32 tiles evenly (4 a split, 128 KB)
+    (8 * 16, 2 << 20, 64, 3),     # D=128: 3 splits of 22 tiles
+    (8 * 4, 2 << 20, 64, 8),      # 4 kv heads at D=128: 8 splits of 8 tiles (256 KB)
+    (1 * 4, 16 << 20, 512, 64),   # one sequence, 32,768 rows, 4 kv heads: MAX_SPLITS, 256 programs
+    (1 * 16, 16 << 20, 512, 17),  # 16 kv heads: 17 splits, 272 programs
+    (264, 1 << 20, 32, 1),        # the pairs alone are 2 programs an SM
+    (4, 4 * 2 ** 16, 4, 2),       # 256 KB a pair: two splits of 128 KB, whatever the SMs want
+    (2 * 12, 2 * 512 * 32 * 2, 2, 1),  # sample.py's default model at batch 2, 512 rows at D=32: 64 KB a pair
+]
 
 
-def test_no_split_lies_past_the_end_of_the_cache():
-    for programs in range(1, 300, 7):
-        for n_tiles in range(1, 700, 3):
-            n_splits = triton_decode.decode_splits(programs, n_tiles, n_sms=132)
-            tiles_per_split = triton_decode.split_rows(n_tiles, n_splits, 1)
-            assert 1 <= n_splits <= triton_decode.MAX_SPLITS and (n_splits - 1) * tiles_per_split < n_tiles
+@pytest.mark.parametrize("pairs, pair_bytes, n_tiles, splits", H100_PLANS)
+def test_the_split_plan_on_an_h100(pairs, pair_bytes, n_tiles, splits):
+    assert triton_decode.decode_splits(pairs, pair_bytes, n_tiles, n_sms=132) == splits
+
+
+def test_the_split_plan_sizes_splits_by_their_bytes_and_none_lies_past_the_cache():
+    # A split reads SPLIT_MIN_BYTES or more on average (whole tiles: the last may hold fewer);
+    # the programs reach PROGRAMS_PER_SM an SM but for the bytes, MAX_SPLITS or the tiles (at
+    # least half the way: whole tiles a split cost at most half the count); no split starts past
+    # the cache's last tile.
+    target = triton_decode.PROGRAMS_PER_SM * 132
+    for pairs in range(1, 300, 7):
+        for n_tiles in range(1, 700, 9):
+            for tile_bytes in (16384, 32768):
+                pair_bytes = 2 * n_tiles * tile_bytes
+                n_splits = triton_decode.decode_splits(pairs, pair_bytes, n_tiles, n_sms=132)
+                tiles_per_split = triton_decode.split_rows(n_tiles, n_splits, 1)
+                assert 1 <= n_splits <= triton_decode.MAX_SPLITS and (n_splits - 1) * tiles_per_split < n_tiles
+                assert n_splits == 1 or pair_bytes / n_splits >= triton_decode.SPLIT_MIN_BYTES
+                most = min(pair_bytes // triton_decode.SPLIT_MIN_BYTES, n_tiles, triton_decode.MAX_SPLITS)
+                assert 2 * pairs * n_splits >= min(target, pairs * max(most, 1)), (pairs, n_tiles, n_splits)
+
+
+def test_the_split_programs_leave_their_counters_at_zero():
+    # The last program of each (batch, kv head) merges and zeroes its counter: the next call (a
+    # graph replay) starts from zero. A counter left at 1 would make a program merge early.
+    q, k, v, k_cache, v_cache = decode_inputs(2, 6, 3, 61, 40)
+    counters = triton_decode.split_counters(q.device)
+    for pos in (60, 5):
+        o_expected, _, _ = expected(q, k, v, k_cache, v_cache, pos)
+        o = split_decode("triton", q, k, v, k_cache, v_cache, pos, -1, 4)
+        torch.testing.assert_close(o.double(), o_expected, atol=1e-5, rtol=1e-5)
+        assert not counters.any()
+    counters[0] = 1
+    try:
+        o = split_decode("triton", q, k, v, k_cache, v_cache, 60, -1, 4)
+        assert not torch.allclose(o.double(), expected(q, k, v, k_cache, v_cache, 60)[0], atol=1e-3)
+    finally:
+        counters.zero_()
 
 
 def test_the_triton_decode_in_bfloat16_on_the_cpu_matches_float64():
@@ -435,9 +502,10 @@ def decode_kernel_shared_memory():
     for element_type, size in (("bf16", 2), ("fp32", 4)):
         for head_dim in (16, 64, 128, 256):
             constexprs = dict(HEAD_DIM=head_dim, BLOCK_D=head_dim_block(head_dim), BLOCK_G=16,
-                              BLOCK_N=triton_decode.decode_block_n(head_dim, size))
-            types = dict(dict.fromkeys(("Q", "K", "V", "K_CACHE", "V_CACHE", "O_SPLIT"), "*" + element_type),
-                         LSE_SPLIT="*fp32", POS="*i64", qk_scale="fp32", **dict.fromkeys(constexprs, "constexpr"))
+                              BLOCK_N=triton_decode.decode_block_n(head_dim, size), BLOCK_S=64)
+            types = dict(dict.fromkeys(("Q", "K", "V", "K_CACHE", "V_CACHE", "O"), "*" + element_type),
+                         O_SPLIT="*fp32", LSE_SPLIT="*fp32", COUNTS="*i32", POS="*i64", qk_scale="fp32",
+                         **dict.fromkeys(constexprs, "constexpr"))
             signature = {name: types.get(name, "i32") for name in kernel.arg_names}
             attrs = {(i,): [["tt.divisibility", 16]] for i, name in enumerate(kernel.arg_names)
                      if signature[name] in ("i32", "*" + element_type)}
@@ -608,6 +676,30 @@ def test_a_captured_split_kv_decode_is_right_wherever_pos_moves(compiled):
         assert torch.equal(k_cache.double().cpu(), k_expected) and torch.equal(v_cache.double().cpu(), v_expected)
 
 
+def test_a_compiled_split_kv_decode_is_right_wherever_pos_moves():
+    # The CPU twin of test_a_captured_split_kv_decode_is_right_wherever_pos_moves: the split count
+    # comes from S alone and pos is read from memory, so one graph, traced once at the last row,
+    # is right at 0 (one split sees a key), inside the cache (a window of 300 keys leaves splits
+    # empty on both sides) and at the last row.
+    torch._dynamo.reset()
+    B, H, H_kv, S, D, left = 1, 4, 2, 1100, 64, 300
+    q, k, v, k_cache, v_cache = decode_inputs(B, H, H_kv, S, D)
+    assert triton_decode.split_plan(k_cache)[0] >= 4  # splits of at most 275 rows
+    pos = torch.tensor([S - 1])
+    compiles = CompileCounterWithBackend("aot_eager")
+    step = torch.compile(lambda: decode_attention(q, k, v, k_cache, v_cache, pos, (left, 0)), backend=compiles,
+                         fullgraph=True)
+    with torch.no_grad():
+        for p in (S - 1, 0, 700):
+            k_before, v_before = k_cache.clone(), v_cache.clone()
+            pos.fill_(p)
+            o = step()
+            o_expected, k_expected, v_expected = expected(q, k, v, k_before, v_before, p, left)
+            torch.testing.assert_close(o.double(), o_expected, atol=1e-5, rtol=1e-5)
+            assert torch.equal(k_cache.double(), k_expected) and torch.equal(v_cache.double(), v_expected)
+    assert compiles.frame_count == 1
+
+
 def uncaptured_greedy(gpt, tokens, max_new_tokens):
     """Greedy decoding by hand: a prefill, then gpt.decode_step called directly, token by token,
     with no StaticDecoder and so no CUDA graph (within block_size: no refill)."""
@@ -685,6 +777,59 @@ def test_a_cuda_graph_captured_at_the_last_position_of_the_cache():
     expected_tokens = gpt.generate(tokens, max_new_tokens=6, top_k=1, kv_cache=False)
     assert torch.equal(gpt.generate(tokens, max_new_tokens=6, top_k=1), expected_tokens)
     assert len(set(expected_tokens[0, 15:].tolist())) > 3
+
+
+def captured_on_the_cpu(monkeypatch, gpt, batch, temperature=1.0, top_k=None):
+    """The StaticDecoder generate will use, capturing and replaying as on CUDA with the capture
+    mocked (test_step.mock_cuda_graph): the CPU twin of the CUDA graph tests above. Its warm-up's
+    forked RNG is the CPU's, which sampling draws from here. Returns the capture's call counts."""
+    decoder = gpt.reusable_decoder(batch, torch.device("cpu"), temperature, top_k)
+    decoder.graphed = True
+    fork_rng = torch.random.fork_rng
+    monkeypatch.setattr(torch.random, "fork_rng", lambda devices: fork_rng(devices=[]))
+    return mock_cuda_graph(monkeypatch, decoder, "step")
+
+
+def test_a_decoder_captured_once_draws_the_tokens_of_the_uncaptured_one_on_every_call(monkeypatch):
+    # The CPU twin of test_a_cuda_graph_decode_draws_the_tokens_of_the_uncaptured_one: recorded
+    # at its first decode, the graph is replayed for every token after, across calls.
+    gpt = context_sensitive_gpt("eager", vocab_size=512)
+    tokens = prompt(batch=3, vocab_size=512)
+    with torch.no_grad():
+        expected_tokens = uncaptured_greedy(gpt, tokens, 10)
+    counts = captured_on_the_cpu(monkeypatch, gpt, batch=3, top_k=1)
+    decoder = gpt.generate_decoder
+    for _ in range(2):
+        assert torch.equal(gpt.generate(tokens, max_new_tokens=10, top_k=1), expected_tokens)
+        assert gpt.generate_decoder is decoder and decoder.graph is not None
+    assert counts == {"captured": 1, "replayed": 2 * 10 - 2}  # each call: a prefill's token, then replays
+
+
+def test_a_captured_decoder_draws_the_sampled_tokens_of_the_uncaptured_decode_for_one_seed(monkeypatch):
+    # The CPU twin of test_a_cuda_graph_draws_the_sampled_tokens_of_the_uncaptured_decode_for_one_seed:
+    # the capture's warm-up draws on a forked RNG, so the replays draw what uncaptured steps would.
+    gpt = context_sensitive_gpt("sdpa", vocab_size=512)
+    tokens = prompt(batch=3, vocab_size=512)
+    with torch.no_grad():
+        torch.manual_seed(5)
+        expected_tokens = uncaptured_sampled(gpt, tokens, 10, temperature=1.0, top_k=50)
+    assert all(len(set(row[5:].tolist())) > 5 for row in expected_tokens)
+    captured_on_the_cpu(monkeypatch, gpt, batch=3, top_k=50)
+    for _ in range(2):
+        torch.manual_seed(5)
+        assert torch.equal(gpt.generate(tokens, max_new_tokens=10, temperature=1.0, top_k=50), expected_tokens)
+
+
+def test_a_decoder_captured_at_the_last_position_of_the_cache_never_steps_past_it(monkeypatch):
+    # The CPU twin of test_a_cuda_graph_captured_at_the_last_position_of_the_cache: a 15-token
+    # prompt leaves room for one step (block_size=16); its warm-up steps start from the saved pos,
+    # and a step past the cache would be refused (decode_step checks pos).
+    gpt = context_sensitive_gpt("sdpa", vocab_size=512)
+    tokens = prompt(batch=1, length=15, vocab_size=512)
+    expected_tokens = gpt.generate(tokens, max_new_tokens=6, top_k=1, kv_cache=False)
+    counts = captured_on_the_cpu(monkeypatch, gpt, batch=1, top_k=1)
+    assert torch.equal(gpt.generate(tokens, max_new_tokens=6, top_k=1), expected_tokens)
+    assert counts["captured"] == 1 and len(set(expected_tokens[0, 15:].tolist())) > 3
 
 
 def bf16_generation_gpt(attn, seed=0):
@@ -802,8 +947,8 @@ def bench():
 
 
 def test_bench_decode_times_what_its_labels_say(bench, monkeypatch):
-    # triton: the split-KV kernel with the host's split count (5 splits on the CPU, see
-    # test_the_split_count_the_host_picks_is_what_the_kernel_runs) and no sdpa; sdpa: the sdpa
+    # triton: the split-KV kernel with the host's split count (4 splits on the CPU, see
+    # test_the_split_count_the_host_picks_is_what_the_kernel_and_its_twin_run) and no sdpa; sdpa: the sdpa
     # backend, masked; sdpa, no mask: sdpa over the whole cache. Each stores the token and is exact.
     splits = Launches(triton_decode._decode_split)
     monkeypatch.setattr(triton_decode, "_decode_split", splits)
@@ -813,9 +958,9 @@ def test_bench_decode_times_what_its_labels_say(bench, monkeypatch):
                         lambda *args, **kwargs: masks.append(kwargs.get("attn_mask")) or sdpa(*args, **kwargs))
     ran = {}
     for label in ("triton", "sdpa", "sdpa, no mask"):
-        q, k, v, k_cache, v_cache = decode_inputs(1, 4, 2, 1100, 16)
-        o_expected, k_expected, _ = expected(q, k, v, k_cache, v_cache, 1099)
-        steps = bench.decode_steps(q, k, v, k_cache, v_cache, torch.tensor([1099]))
+        q, k, v, k_cache, v_cache = decode_inputs(1, 4, 2, 4100, 16)
+        o_expected, k_expected, _ = expected(q, k, v, k_cache, v_cache, 4099)
+        steps = bench.decode_steps(q, k, v, k_cache, v_cache, torch.tensor([4099]))
         assert list(steps) == ["triton", "sdpa", "sdpa, no mask"]
         splits.calls.clear()
         masks.clear()
@@ -823,25 +968,25 @@ def test_bench_decode_times_what_its_labels_say(bench, monkeypatch):
         torch.testing.assert_close(o.double(), o_expected, atol=1e-5, rtol=1e-5)
         assert torch.equal(k_cache.double(), k_expected)
         ran[label] = ([grid for grid, _ in splits.calls], [mask is not None for mask in masks])
-    assert ran == {"triton": ([(2, 5)], []), "sdpa": ([], [True]), "sdpa, no mask": ([], [False])}
+    assert ran == {"triton": ([(2, 4)], []), "sdpa": ([], [True]), "sdpa, no mask": ([], [False])}
 
 
 @pytest.mark.parametrize("card, bandwidth", [("NVIDIA H100 80GB HBM3", 3.35e12), ("NVIDIA H200", 4.8e12),
-                                             ("NVIDIA GeForce RTX 4070 SUPER", 504e9), ("NVIDIA H100 PCIe", None)])
+                                             ("NVIDIA GeForce RTX 4070 SUPER", 504e9), ("Tesla T4", None)])
 def test_bench_decode_knows_the_bandwidth_of_the_repos_cards_by_name(bench, card, bandwidth):
     entry = bench.this_card(card)
     assert (entry and entry.gb_per_s * 1e9) == bandwidth
 
 
 def test_bench_decode_times_triton_at_the_split_counts_it_names(bench, monkeypatch):
-    # 16 (batch, kv head) pairs of a 10-tile cache (64-row tiles at D=64, float32): the plan on
-    # the CPU is 5 splits; twice that is a tile a split, and 4 times is capped there.
+    # 16 (batch, kv head) pairs of a 10-tile cache (64-row tiles at D=64, float32, 300 KB of K
+    # and V a pair): the plan on the CPU is 2 splits of 128 KB or more; then twice and 4 times.
     splits = Launches(triton_decode._decode_split)
     monkeypatch.setattr(triton_decode, "_decode_split", splits)
     q, k, v, k_cache, v_cache = decode_inputs(4, 8, 4, 600, 64)
     o_expected, _, _ = expected(q, k, v, k_cache, v_cache, 599)
     steps = bench.split_steps(q, k, v, k_cache, v_cache, torch.tensor([599]))
-    assert list(steps) == [1, 5, 10]
+    assert list(steps) == [1, 2, 4, 8]
     for n, step in steps.items():
         splits.calls.clear()
         torch.testing.assert_close(step().double(), o_expected, atol=1e-5, rtol=1e-5)

@@ -227,6 +227,50 @@ def test_token_ids_outside_the_vocabulary_are_refused_naming_the_argument(bad_id
     assert gpt(tokens % 100, targets=tokens % 100)[1].isfinite()  # the same batch inside it runs
 
 
+@pytest.mark.parametrize("bad_id", [-2, 100, 112, 128])  # 112: a padding row's logit; 128: past the padded table
+def test_targets_outside_the_vocabulary_are_refused_and_minus_one_is_left_out_of_the_loss(bad_id):
+    """A target among the padding ids scored against an untrained logit (a finite, wrong loss
+    that trained the padding rows); one past the table, or below -1, was an IndexError (a
+    device-side assert on a GPU)."""
+    gpt = small_gpt(vocab_size=100)
+    tokens = random_tokens(length=8) % 100
+    targets = tokens.roll(-1, 1)
+    targets[0, 5] = bad_id
+    with pytest.raises(ValueError, match=rf"^targets holds token id {bad_id}, outside the model's vocabulary "
+                                         r"\[0, 100\) \(or -1, a position left out of the loss\)"):
+        gpt(tokens, targets=targets)
+    targets[0, 5] = -1
+    _, loss = gpt(tokens, targets=targets)
+    mask = torch.ones_like(targets, dtype=torch.bool)
+    mask[0, 5] = False
+    logits, _ = gpt(tokens, targets=tokens)
+    expected = torch.nn.functional.cross_entropy(logits[mask], targets[mask])
+    torch.testing.assert_close(loss, expected)  # -1: that position alone left out
+
+
+@pytest.mark.parametrize("settings, message", [
+    (dict(temperature=0.0), r"temperature=0.0: expected a finite float > 0 \(for greedy decoding pass top_k=1\)"),
+    (dict(temperature=-1.0), r"temperature=-1.0: expected a finite float > 0"),
+    (dict(temperature=float("nan")), r"temperature=nan: expected a finite float > 0"),
+    (dict(top_k=0), r"top_k=0: expected None \(every token\) or an int >= 1"),
+    (dict(top_k=2.5), r"top_k=2.5: expected None \(every token\) or an int >= 1"),
+], ids=["temperature 0", "temperature < 0", "temperature nan", "top_k 0", "top_k 2.5"])
+def test_generate_refuses_sampling_settings_that_draw_no_distribution(settings, message):
+    # temperature=0 divided the logits into NaN, and argmax drew token 0 every time, silently;
+    # top_k=0 was an IndexError inside topk.
+    gpt = small_gpt().eval()
+    for kv_cache in (True, False):
+        with pytest.raises(ValueError, match=f"^{message}"):
+            gpt.generate(random_tokens(length=3), max_new_tokens=2, kv_cache=kv_cache, **settings)
+
+
+def test_generate_refuses_an_empty_prompt():
+    gpt = small_gpt().eval()
+    with pytest.raises(ValueError, match=r"^idx has no tokens \(shape \(2, 0\)\): generate continues a prompt of at "
+                                         "least one token"):
+        gpt.generate(random_tokens(length=0), max_new_tokens=2)
+
+
 @pytest.mark.parametrize("overrides, message", [
     (dict(n_head=4, n_kv_head=3), "n_kv_head=3 must divide n_head=4"),
     (dict(n_head=4, n_kv_head=8), "n_kv_head=8 must divide n_head=4"),

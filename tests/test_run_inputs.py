@@ -1,9 +1,13 @@
 """What a run reads before it starts: meta.json, the checkpoint, sample.py's settings, and a
 data folder several runs prepare at once. Each fault is one clear line and the right exit
 status, before any work or any file is written; never a traceback."""
+import contextlib
+import fcntl
 import json
+import os
 import shutil
 import subprocess
+import threading
 from dataclasses import asdict
 
 import pytest
@@ -25,12 +29,16 @@ BAD_META = [
     ({"val_tokens": 12.5}, "val_tokens=12.5, expected an int >= 1"),
     ({"vocab_size": "300"}, "vocab_size='300', expected an int >= 2"),
     ({"train_chars": -1}, "train_chars=-1, expected an int >= 1"),
-    ({"gpt2_ids": [3, "a"]}, "gpt2_ids=[3, 'a'], expected a list of GPT-2 token ids"),
+    ({"gpt2_ids": [3, "a"]}, "gpt2_ids=[3, 'a'], expected a list of strictly increasing GPT-2 token ids"),
     ({"gpt2_ids": [1, 2, 3]}, "3 gpt2_ids for vocab_size=300, expected one GPT-2 id per token id"),
     ({"vocab_size": None}, "vocab_size=None, expected an int >= 2"),
     ({"vocab_size": True}, "vocab_size=True, expected an int >= 2"),
     ({"dtype": "uint8"}, "vocab_size=300, but its dtype uint8 holds ids up to 255 only"),
     ({"vocab_size": 1, "gpt2_ids": [5]}, "vocab_size=1, expected an int >= 2 (one token leaves nothing to predict)"),
+    # Not increasing: training ran to the end and saved checkpoints that sample.py and resume refused.
+    ({"gpt2_ids": [0, 4, 2] + list(range(6, 600, 2))},
+     "gpt2_ids=[0, 4, 2, 6, 8, 10, 12, 14, 16, 18, 20, 22, 24, 26, 28, 30, ..., expected a list of strictly increasing "
+     "GPT-2 token ids"),
 ]
 
 
@@ -82,6 +90,9 @@ BAD_CHECKPOINTS = [
     ("numpy rng", corrupt_numpy_state, "its rng entry 0 is not a set of random states (IndexError: "),
     ("scaler", lambda state: state.update(scaler={"scale": "big"}),
      "its scaler is {'scale': 'big'}, expected a GradScaler's state: empty, or"),
+    # It passed this check, and GPT() refused it with a traceback.
+    ("window", lambda state: state["model_args"].update(window=2 ** 63),
+     "its model_args has window=9223372036854775808, which no GPT of its other fields can have"),
 ]
 
 
@@ -99,11 +110,15 @@ def test_checkpoint_structure_is_checked(key, corrupt, message, trained_out_dir,
     assert message in str(info.value)
 
 
+# What each script meets, a subprocess each: the window's fault takes n_kv_head's path.
+SCRIPT_CHECKPOINTS = [fault for fault in BAD_CHECKPOINTS[1:] if fault[0] != "window"]
+
+
 # Each script refuses every checkpoint through load_checkpoint (which the test above checks for
 # every fault): in the default run each fault is run through one script, the two taking turns.
-@default_run(lambda case: (case.script == "train.py") == ([key for key, _, _ in BAD_CHECKPOINTS].index(case.key) % 2 == 0))
+@default_run(lambda case: (case.script == "train.py") == ([key for key, _, _ in SCRIPT_CHECKPOINTS].index(case.key) % 2 == 0))
 @pytest.mark.parametrize("script", ["train.py", "sample.py"])
-@pytest.mark.parametrize("key,corrupt,message", BAD_CHECKPOINTS[1:], ids=[key for key, _, _ in BAD_CHECKPOINTS[1:]])
+@pytest.mark.parametrize("key,corrupt,message", SCRIPT_CHECKPOINTS, ids=[key for key, _, _ in SCRIPT_CHECKPOINTS])
 def test_a_malformed_checkpoint_is_one_line_and_exit_1_before_any_work(script, key, corrupt, message, trained_out_dir,
                                                                        data_dir, tmp_path):
     corrupt_checkpoint(trained_out_dir, tmp_path, corrupt)
@@ -115,6 +130,14 @@ def test_a_malformed_checkpoint_is_one_line_and_exit_1_before_any_work(script, k
     assert message in result.stderr and "Traceback" not in result.stderr
     assert len(result.stderr.strip().splitlines()) == 1
     assert "parameters" not in result.stdout and not (tmp_path / "metrics.jsonl").exists()
+
+
+def test_an_empty_checkpoint_file_is_refused_as_corrupt(tmp_path):
+    # torch.load's error on a 0-byte file has no text: the message's first line of it was an IndexError.
+    (tmp_path / "ckpt.pt").write_bytes(b"")
+    with pytest.raises(RunFileError, match=rf"^{tmp_path / 'ckpt.pt'} cannot be read, it is truncated or corrupt "
+                                           r"\((\w+)(: [^\n]+)?\)\. Restore it from a copy, or train from scratch$"):
+        load_checkpoint(str(tmp_path / "ckpt.pt"))
 
 
 @pytest.mark.parametrize("saved, given", [(-1, 8), (8, -1), (8, 16)], ids=["window added", "window dropped",
@@ -218,3 +241,47 @@ def test_three_runs_preparing_one_folder_at_once_all_succeed(tmp_path):
     for returncode, _, stderr in start_together(commands):
         assert returncode == 0, stderr
     assert sorted(p.name for p in folder.iterdir()) == ["meta.json", "train.bin", "val.bin"]
+
+
+@contextlib.contextmanager
+def held_by_another_process(folder):
+    """folder's lock held as another process holds it (flock on a descriptor of its own), until the
+    block ends or release() is called."""
+    fd = os.open(folder, os.O_RDONLY)
+    fcntl.flock(fd, fcntl.LOCK_EX)
+    released = []
+
+    def release():
+        if not released:
+            released.append(os.close(fd))
+    try:
+        yield release
+    finally:
+        release()
+
+
+def test_a_data_dir_that_is_a_run_in_progress_out_dir_is_refused_naming_the_run(tmp_path):
+    # prepare.py printed "running prepare.py", then waited, silently, for the other run to end.
+    from test_config import exit_before_torch
+
+    (tmp_path / "busy").mkdir()
+    (tmp_path / "busy" / "config.json").write_text("{}")
+    with held_by_another_process(tmp_path / "busy"):
+        status, stderr, torch_loaded = exit_before_torch("train.py", "configs/tiny.py", f"--data_dir={tmp_path / 'busy'}",
+                                                         f"--out_dir={tmp_path / 'out'}")
+    assert (status, torch_loaded) == (EXIT_BAD_CONFIG, False)
+    assert stderr.startswith(f"config error: data_dir='{tmp_path / 'busy'}' is the out_dir of a train.py run in "
+                             "progress (it holds the folder's lock, and its config.json is there)")
+    assert len(stderr.strip().splitlines()) == 1 and not (tmp_path / "out").exists()
+
+
+def test_prepare_says_what_it_waits_for_and_goes_on_when_the_lock_is_free(tmp_path, capsys):
+    # Another prepare.py holds the folder (several runs preparing one folder at once): worth
+    # waiting for, and saying so.
+    from data.shakespeare.prepare import prepare
+
+    with held_by_another_process(tmp_path) as release:
+        threading.Timer(0.3, release).start()
+        assert prepare(str(tmp_path), skip_if=lambda folder: True) is None  # it took the lock, then found it done
+    assert capsys.readouterr().out == (f"waiting for {tmp_path}: another process holds its lock (a prepare.py writing "
+                                       "the data there, or a train.py run whose out_dir it is)\n")

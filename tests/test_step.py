@@ -12,7 +12,7 @@ import pytest
 import torch
 
 from model import GPT, GPTConfig
-from training.devices import World
+from training.devices import StepGraph, World
 from training import step as step_module
 
 TINY = GPTConfig(block_size=16, vocab_size=64, n_layer=1, n_head=2, n_embd=16, dropout=0.0, attn="eager")
@@ -97,3 +97,79 @@ def test_bench_step_mode_times_the_step_train_py_takes(monkeypatch):
     assert len(built) == 1 and len(calls) == 6
     grad_clip = built[0][0][5]
     assert grad_clip == bench.TrainConfig.grad_clip > 0
+
+
+def mock_cuda_graph(monkeypatch, owner, name, output=None):
+    """CUDA graph capture and replay on the CPU, for the calls of owner.<name> (a method or a
+    function attribute): inside torch.cuda.graph(g) a call is recorded, not run (a capture records
+    kernels without running them) and returns output() (None without one), a placeholder; each
+    g.replay() runs the recorded calls and writes their results into the placeholders, as a replay
+    writes the captured outputs' memory. Streams are the CPU's own. Returns the (captured,
+    replayed) call counts."""
+    counts = {"captured": 0, "replayed": 0}
+    recorded = []
+    capturing = []
+    real = getattr(owner, name)
+
+    def call(*args, **kwargs):
+        # owner.<name> is this for the whole test, so a caller that took the function before the
+        # capture began (attention.cuda_graph.capture_graph takes it as an argument) records too.
+        if not capturing:
+            return real(*args, **kwargs)
+        counts["captured"] += 1
+        placeholder = output() if output else None
+        recorded.append((args, kwargs, placeholder))
+        return placeholder
+
+    class Graph:
+        def replay(self):
+            counts["replayed"] += 1
+            for args, kwargs, placeholder in recorded:
+                result = real(*args, **kwargs)
+                if placeholder is not None:
+                    placeholder.copy_(result)
+
+    @contextlib.contextmanager
+    def graph(cuda_graph, *args, **kwargs):
+        capturing.append(True)
+        try:
+            yield
+        finally:
+            capturing.pop()
+
+    monkeypatch.setattr(owner, name, call)
+    stream = type("Stream", (), {"wait_stream": lambda self, other: None})
+    monkeypatch.setattr(torch.cuda, "Stream", stream)
+    monkeypatch.setattr(torch.cuda, "current_stream", stream)
+    monkeypatch.setattr(torch.cuda, "stream", lambda s: contextlib.nullcontext())
+    monkeypatch.setattr(torch.cuda, "CUDAGraph", Graph)
+    monkeypatch.setattr(torch.cuda, "graph", graph)
+    return counts
+
+
+def test_a_step_replayed_from_a_cuda_graph_trains_like_the_plain_step(monkeypatch):
+    """The CPU twin of test_compile_gpu.py's test_gpu_cuda_graph_trains_like_the_plain_run, the
+    capture mocked (mock_cuda_graph): the first step runs uncaptured, the second captures copies
+    of its batches and replays, the later ones copy their batches into those and replay; every
+    step's loss and the weights after are the plain step's (a replay that read the captured
+    batches again, or a gradient not zeroed in place, would differ)."""
+    generator = torch.Generator().manual_seed(1)
+    steps = [micro_batches(2, generator) for _ in range(4)]
+    graphs = []
+    monkeypatch.setattr(step_module, "StepGraph", lambda passes: graphs.append(StepGraph(passes)) or graphs[-1])
+    results = []
+    for cuda_graph in (False, True):
+        torch.manual_seed(0)
+        model = GPT(TINY)
+        optimizer = model.configure_optimizers(0.1, 1e-2, (0.9, 0.99), "cpu")
+        step = step_module.make_train_step(model, optimizer, torch.amp.GradScaler("cpu", enabled=False),
+                                           contextlib.nullcontext(), World(), 1.0, compiled=False,
+                                           cuda_graph=cuda_graph)
+        if cuda_graph:
+            counts = mock_cuda_graph(monkeypatch, graphs[0], "forward_backward", output=lambda: torch.zeros(()))
+        results.append(([step(batches, lr=1e-2) for batches in steps], model.state_dict()))
+    (losses, weights), (graphed_losses, graphed_weights) = results
+    assert counts == {"captured": 1, "replayed": 3} and len(set(losses)) == 4
+    assert graphed_losses == pytest.approx(losses, rel=1e-6)
+    for name, value in weights.items():
+        torch.testing.assert_close(graphed_weights[name], value, msg=name)

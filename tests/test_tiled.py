@@ -39,6 +39,19 @@ def test_tiled_backward_matches_float64_reference(tile_m, tile_n, shape_q, n_k, 
                      TOLERANCE[torch.float32])
 
 
+@pytest.mark.parametrize("is_causal,window_size", MASKS)
+@pytest.mark.parametrize("shape_q,n_k,h_kv", [((2, 4, 37, 16), 45, 2), ((1, 2, 45, 24), 37, 1)])
+def test_tiled_backward_atomic_dq_matches_float64_reference(shape_q, n_k, h_kv, is_causal, window_size):
+    """The five-matmul schedule (atomic_dq: dQ's shares added in the dK/dV pass), twin of the
+    kernel's ATOMIC_DQ configs, with rectangular tiles."""
+    q, k, v = (t.detach() for t in random_qkv(shape_q, n_k, h_kv=h_kv, seed=n_k))
+    o, lse = tiled_forward(q, k, v, is_causal, window_size, 16, 8)
+    do = torch.randn(o.shape, generator=torch.Generator().manual_seed(2))
+    dq, dk, dv = tiled_backward(q, k, v, o, lse, do, is_causal, window_size, 8, 16, atomic_dq=True)
+    _, _, dq_ref, dk_ref, dv_ref = reference(q, k, v, is_causal, do, window_size)
+    assert_all_close([("dQ", dq, dq_ref), ("dK", dk, dk_ref), ("dV", dv, dv_ref)], TOLERANCE[torch.float32])
+
+
 @pytest.mark.parametrize("tile_m,tile_n", [(16, 8), (5, 11)])
 def test_tiled_backward_on_strided_views(tile_m, tile_n):
     """q, k, v as the model makes them, (B, heads, T, D) views of one (B, T, H + 2 * H_kv, D)
@@ -164,39 +177,66 @@ def test_the_kernels_bounds_are_their_twins(tile_m, tile_n, n_q, n_k, is_causal,
     assert torch.equal(seen[:n_q, :].bool(), masks.tile_mask(0, n_q, 0, 256, mask))
 
 
-@pytest.mark.parametrize("is_causal", [True, False])
-@pytest.mark.parametrize("n_q,n_k", [(37, 53), (90, 12), (200, 200), (1, 1), (300, 129)])
-@pytest.mark.parametrize("rows,block", [(128, 64), (128, 128), (64, 256), (64, 128)])
-def test_the_gluon_tile_rules_are_the_masks(rows, block, n_q, n_k, is_causal):
-    """The Hopper kernels' rules (causal or no mask, counted in tiles) give key_tile_bounds' and
-    query_tile_bounds' runs, and visible_in_tile_gl the mask, at every tile start. Gluon runs
-    only on a Hopper card; the plain Python functions the rules are built from (.fn) run here."""
-    mask = (n_q, n_k, UNBOUNDED, 0 if is_causal else UNBOUNDED)
-    for start_m in range(0, n_q, rows):  # the forward: a query tile of `rows` rows, key tiles of `block`
-        n_full, n_tiles = masks.key_tile_counts_gl.fn(start_m, n_k, is_causal, rows, block)
-        start, full_start, full_end, end = key_tile_bounds(start_m, mask, rows, block)
-        assert (start, full_start, full_end, -(-end // block)) == (0, 0, n_full * block, n_tiles), start_m
-    for start_n in range(0, n_k + 2 * rows, block):  # the backward: a key tile of `block` keys, query tiles of `rows`
-        first, masked_end, last = masks.query_tile_counts_gl.fn(start_n, n_q, is_causal, rows, block)
-        start, full_start, full_end, end = query_tile_bounds(start_n, mask, rows, block)
-        assert first <= masked_end <= last, start_n
-        if start < end:  # visited at all: the same run (past the last query, the counts stay ordered instead)
-            assert (first * rows, masked_end * rows, last * rows, -(-end // rows)) == \
-                (start, full_start, full_end, last), start_n
-        else:
-            assert first == masked_end == last, start_n
+@pytest.fixture
+def gluon_rules_in_python(monkeypatch):
+    """The Gluon rules as the plain Python functions they are built from (.fn), calling each
+    other as such: Gluon runs only on a Hopper card, these run here."""
+    for name in ("visible_in_tile_gl", "tile_run_gl", "key_tile_bounds_gl", "query_tile_bounds_gl", "tile_numbers_gl"):
+        monkeypatch.setattr(masks, name, getattr(masks, name).fn)
+    return masks
+
+
+def tiles_of_run(bounds, tile):
+    """{tile number: "full" | "masked"} of the tiles a Python run (start, full_start, full_end, end) visits."""
+    start, full_start, full_end, end = bounds
+    return {k // tile: "full" if full_start <= k < full_end else "masked" for k in range(start, end, tile)}
+
+
+def tiles_of_numbers(numbers):
+    """The same from the Gluon kernels' tile numbers (first, full_first, full_last, last)."""
+    first, full_first, full_last, last = numbers
+    assert first <= full_first <= full_last <= last, numbers
+    return {j: "full" if full_first <= j < full_last else "masked" for j in range(first, last)}
+
+
+@pytest.mark.parametrize("is_causal,window_size", MASKS + [(False, (300, 2)), (False, (-1, 40))])
+@pytest.mark.parametrize("n_q,n_k", [(37, 53), (90, 12), (200, 200), (1, 1), (300, 129), (700, 300)])
+@pytest.mark.parametrize("rows,block", [(128, 64), (128, 128), (64, 256), (64, 128), (16, 32)])
+def test_the_gluon_tile_rules_are_the_masks(rows, block, n_q, n_k, is_causal, window_size, gluon_rules_in_python):
+    """The Hopper kernels' rules (masks.py's _gl twins) give key_tile_bounds' and
+    query_tile_bounds' numbers at every tile start, their tile numbers the same tiles (each full
+    or masked as the Python run says), and visible_in_tile_gl the mask (with WINDOW=False, for a
+    mask without a window)."""
+    mask = (n_q, n_k, *window_bounds(is_causal, window_size))
+    for start in range(0, max(n_q, n_k) + 2 * rows, 16):
+        for python_rule, gluon_rule, tile in ((key_tile_bounds, masks.key_tile_bounds_gl, block),
+                                              (query_tile_bounds, masks.query_tile_bounds_gl, rows)):
+            bounds = python_rule(start, mask, rows, block)
+            assert gluon_rule(start, mask, rows, block) == bounds, (gluon_rule.__name__, start)
+            assert tiles_of_numbers(masks.tile_numbers_gl(bounds, tile)) == tiles_of_run(bounds, tile), start
     rows_, cols_ = torch.arange(n_q)[:, None], torch.arange(n_k + 7)[None, :]
-    seen = masks.visible_in_tile_gl.fn(rows_, cols_, n_k, is_causal).broadcast_to(n_q, n_k + 7)
-    assert torch.equal(seen, masks.visible_in_tile(rows_, cols_, mask))
+    seen = masks.visible_in_tile(rows_, cols_, mask)
+    assert torch.equal(masks.visible_in_tile_gl(rows_, cols_, mask, True), seen)
+    if mask[2:] == (UNBOUNDED, UNBOUNDED):
+        assert torch.equal(masks.visible_in_tile_gl(rows_, cols_, mask, False).broadcast_to(seen.shape), seen)
 
 
-def test_causal_tiles_figure_is_drawn(tmp_path):
-    """docs/causal_tiles.py, which draws the tiles from masks.py, runs from anywhere."""
-    import subprocess
-    import sys
-    from pathlib import Path
+@pytest.mark.parametrize("numbers", [(0, 0, 0, 0), (0, 0, 5, 5), (0, 3, 3, 4), (2, 3, 7, 9), (4, 4, 4, 6),
+                                     (1, 5, 5, 5), (0, 0, 3, 4), (3, 4, 4, 4)])
+@pytest.mark.parametrize("group", [1, 3])
+def test_the_gluon_kernels_visit_each_tile_of_the_run_once(numbers, group):
+    """The order the Hopper kernels' loaders and compute partitions walk a run in: the forward's
+    key tiles (full ones first, ascending) and the backward's query tiles of every query head
+    of a kv head (full ones first, head by head, the last tile first): each tile of each head
+    once, all the full ones before any masked one."""
+    from attention.hopper import backward, forward
+    first, full_first, full_last, last = numbers
+    full = list(range(full_first, full_last))
+    masked = [j for j in range(first, last) if not full_first <= j < full_last]
+    assert [forward.key_tile_visited.fn(t, numbers) for t in range(last - first)] == full + masked
+    masked_desc = sorted(masked, reverse=True)  # the left edge's [full_last, last), then the diagonal's
+    expected = ([(g, m) for g in range(group) for m in reversed(full)]
+                + [(g, m) for g in range(group) for m in masked_desc])
+    visits = [backward.query_tile_visited.fn(u, numbers, group) for u in range(group * (last - first))]
+    assert visits == expected
 
-    script = Path(__file__).resolve().parent.parent / "docs" / "causal_tiles.py"
-    out = tmp_path / "tiles.png"
-    subprocess.run([sys.executable, str(script), "--out", str(out)], cwd=tmp_path, check=True, timeout=300)
-    assert out.read_bytes()[:8] == b"\x89PNG\r\n\x1a\n"

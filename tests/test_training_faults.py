@@ -146,6 +146,25 @@ def test_out_of_memory_names_backend_block_size_and_batch_size_and_exits_3(tiny_
     assert len(result.stderr.strip().splitlines()) == 1 and "Traceback" not in result.stderr
 
 
+def test_the_memory_cap_is_its_share_of_the_card_and_the_out_of_memory_line_names_it(monkeypatch, capsys):
+    """The CPU twin of test_memory_cap_runs_out_like_a_smaller_card, the card mocked: the cap is
+    max_memory_gb's fraction of the card's memory (the whole card at most), and a run that
+    outgrows it says so in its one line."""
+    from training.config import TrainConfig
+    from training.devices import World, cap_memory, out_of_memory_message
+
+    fractions = []
+    monkeypatch.setattr(torch.cuda, "current_device", lambda: 0)
+    monkeypatch.setattr(torch.cuda, "get_device_properties", lambda index: type("Card", (), {"total_memory": 80 * 2**30}))
+    monkeypatch.setattr(torch.cuda, "set_per_process_memory_fraction", lambda fraction, index: fractions.append(fraction))
+    cap_memory(torch.device("cuda"), 12, announce=True)
+    cap_memory(torch.device("cuda:0"), 100, announce=False)
+    assert fractions == [12 / 80, 1.0]
+    assert capsys.readouterr().out == "CUDA memory capped at 12 GiB (the card has 80.0 GiB)\n"
+    message = out_of_memory_message(TrainConfig(max_memory_gb=0.01, block_size=64, batch_size=8), World())
+    assert message.startswith("out of memory under max_memory_gb=0.01 with attn=eager, block_size=64, batch_size=8")
+
+
 @pytest.mark.gpu
 def test_memory_cap_runs_out_like_a_smaller_card(tiny_args, tmp_path):
     # 10 MiB cannot hold the tiny model's 13 MB of weights: the real CUDA allocator refuses.

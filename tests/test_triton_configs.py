@@ -39,7 +39,7 @@ pytestmark = pytest.mark.xdist_group("triton_configs")
 HEAD_DIMS = (16, 32, 64, 128, 256)
 HOPPER_SHARED_MEMORY_BYTES = 232448  # the H100's and H200's most per block
 TENSOR_POINTERS = {"Q", "K", "V", "O", "dO", "dQ", "dK", "dV"}
-FLOAT32_POINTERS = {"LSE", "DELTA", "DQ"}
+FLOAT32_POINTERS = {"LSE", "DELTA", "DQ", "DQ_ACC"}
 ELEMENT_TYPES = {"bf16": 2, "fp32": 4}
 
 
@@ -66,41 +66,50 @@ def compile_for(kernel, element_type, constexprs, capability, num_warps, num_sta
     return triton.compile(source, target=target, options=dict(num_warps=num_warps, num_stages=num_stages))
 
 
-# The cards each config must fit where the prune keeps it: (capability, shared memory per block,
-# the wgmma flag the prune passes). The consumer-card path compiles as sm_89 does (mma.sync).
-CARDS = {"sm_89": (89, ADA_SHARED_MEMORY_BYTES, False), "sm_90": (90, HOPPER_SHARED_MEMORY_BYTES, True)}
+# The cards each config must fit where the prune keeps it: (the card path whose lists it takes,
+# capability, shared memory per block, the wgmma flag the prune passes). The consumer-card path
+# compiles as sm_89 does (mma.sync).
+CARDS = {"sm_89": ("consumer card", 89, ADA_SHARED_MEMORY_BYTES, False),
+         "sm_90": ("hopper", 90, HOPPER_SHARED_MEMORY_BYTES, True)}
 
 
 def measure():
-    """For each card (sm_89 first), kernel, config and element size: compile the config at the
-    largest head dim the estimate admits on that card (TMA configs on sm_90 alone) and yield the
-    compiler's shared memory, config by config in the lists' order. Then the Gluon kernels for
-    sm_90, with theirs."""
+    """For each card (sm_89 first), kernel, config of the card's lists (once, where several lists
+    hold it) and element size: compile the config at the largest head dim a list holding it is for
+    that the estimate admits on that card (TMA configs on sm_90 alone) and yield the compiler's
+    shared memory, config by config in the lists' order. Then the Gluon kernels for sm_90, with theirs."""
     from attention.launch import shared_memory_bytes
     from attention.triton_backward import BACKWARD_CONFIGS, _attn_bwd, backward_smem_rows
     from attention.triton_forward import FORWARD_CONFIGS, _attn_fwd, forward_smem_rows
 
-    for card, (capability, limit, wgmma) in CARDS.items():
-        for kernel, configs, smem_rows in ((_attn_fwd.fn, FORWARD_CONFIGS, forward_smem_rows),
-                                           (_attn_bwd.fn, BACKWARD_CONFIGS, backward_smem_rows)):
-            for config in configs:
+    for card, (path, capability, limit, wgmma) in CARDS.items():
+        for kernel, table, smem_rows in ((_attn_fwd.fn, FORWARD_CONFIGS, forward_smem_rows),
+                                         (_attn_bwd.fn, BACKWARD_CONFIGS, backward_smem_rows)):
+            largest = {}  # config -> the largest head dim of the lists that hold it
+            for (list_path, list_largest), configs in table.items():
+                for config in configs if list_path == path else ():
+                    largest[config] = max(largest.get(config, 0), list_largest)
+            for config, list_largest in largest.items():
                 if config.kwargs["USE_TMA"] and capability < 90:  # pruned on cards without TMA
                     continue
                 for element_type, size in ELEMENT_TYPES.items():
-                    admitted = [d for d in HEAD_DIMS if shared_memory_bytes(config, smem_rows, d, size, wgmma) <= limit]
+                    admitted = [d for d in HEAD_DIMS if d <= list_largest
+                                and shared_memory_bytes(config, smem_rows, d, size, wgmma) <= limit]
                     if not admitted:
                         continue
                     constexprs = dict(config.kwargs, HEAD_DIM=max(admitted), BLOCK_D=max(admitted), HEADS_FIRST=True)
+                    if "ATOMIC_DQ" in config.kwargs:
+                        constexprs["DETERMINISTIC"] = False
                     compiled = compile_for(kernel, element_type, constexprs, capability, config.num_warps,
                                            config.num_stages)
                     yield dict(target=card, kernel=kernel.__name__, config=str(config), element_type=element_type,
                                head_dim=max(admitted), shared=compiled.metadata.shared, limit=limit)
     for module, kernel in ((hopper_forward, hopper_forward._attn_fwd_warp_specialized),
                            (hopper_backward, hopper_backward._attn_bwd_warp_specialized)):
-        for (head_dim, is_causal), tiles in module.TILES.items():
-            compiled = compile_for(kernel, "bf16", dict(tiles, **module.REGISTERS, IS_CAUSAL=is_causal,
-                                                        HEAD_DIM=head_dim), 90, 4, 1, gluon=True)
-            yield dict(target="sm_90", gluon=True, kernel=kernel.__name__, head_dim=head_dim, is_causal=is_causal,
+        for (head_dim, window), tiles in module.TILES.items():
+            compiled = compile_for(kernel, "bf16", dict(tiles, **module.REGISTERS, WINDOW=window, HEAD_DIM=head_dim),
+                                   90, 4, 1, gluon=True)
+            yield dict(target="sm_90", gluon=True, kernel=kernel.__name__, head_dim=head_dim, window=window,
                        shared=compiled.metadata.shared, limit=HOPPER_SHARED_MEMORY_BYTES)
 
 
@@ -122,7 +131,7 @@ def compiled():
 def test_every_config_the_prune_keeps_fits_the_cards_shared_memory(compiled, card):
     """At every head dim and element size the estimate admits a config for, on the 4070 Super
     (99 KB) and on Hopper (227 KB, where wgmma keeps one more pipeline stage in shared memory)."""
-    _, limit, _ = CARDS[card]
+    _, _, limit, _ = CARDS[card]
     results = [r for r in compiled["configs"] if r["target"] == card]
     assert {r["head_dim"] for r in results} >= {64, 128, 256}, "too few configs were compiled"
     too_big = [r for r in results if r["shared"] > limit]
@@ -139,12 +148,19 @@ def test_every_kernel_has_an_ada_config_for_every_head_dim(compiled):
             assert dims and max(dims) == 256, f"{kernel} {element_type}: no config admitted at head dim 256"
 
 
+def test_both_backward_schedules_compile_for_the_consumer_card(compiled):
+    """The atomic schedule's configs (tl.atomic_add, dS K) and the split's, in the lists sm_89 takes."""
+    configs = {r["config"] for r in compiled["configs"] if r["target"] == "sm_89" and r["kernel"] == "_attn_bwd"}
+    assert any("ATOMIC_DQ: True" in c for c in configs) and any("ATOMIC_DQ: False" in c for c in configs), configs
+
+
 @pytest.mark.parametrize("module,kernel", [(hopper_forward, "_attn_fwd_warp_specialized"),
                                            (hopper_backward, "_attn_bwd_warp_specialized")], ids=("forward", "backward"))
 def test_gluon_kernels_compile_for_hopper(compiled, module, kernel):
     """Each warp-specialised kernel compiles for sm_90 with the tiles of every head dim and mask
-    it serves, within Hopper's 227 KB of shared memory per block."""
-    assert [(r["head_dim"], r["is_causal"]) for r in compiled["hopper_gluon"][kernel]] == list(module.TILES)
+    it serves, within Hopper's 227 KB of shared memory per block. The mask's sides and the
+    query heads per kv head are runtime ints: one build serves every window and group size."""
+    assert [(r["head_dim"], r["window"]) for r in compiled["hopper_gluon"][kernel]] == list(module.TILES)
     for r in compiled["hopper_gluon"][kernel]:
         assert r["shared"] <= HOPPER_SHARED_MEMORY_BYTES, r
 

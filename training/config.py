@@ -18,6 +18,7 @@ import types
 import typing
 from dataclasses import dataclass
 
+from data.files import folder_lock
 from data.shakespeare.prepare import DEFAULT_OUT_DIR as DEFAULT_DATA_DIR
 
 EXIT_ERROR = 1  # an error stopped the script: bad data, an unusable checkpoint, a failed write, a NaN loss
@@ -344,7 +345,10 @@ def check_paths(config):
     """Refuse an out_dir or data_dir this run cannot use, before anything is made."""
     check_folder("out_dir", config.out_dir, writable=True)
     data_files = [os.path.join(config.data_dir, name) for name in ("meta.json", "train.bin", "val.bin")]
-    check_folder("data_dir", config.data_dir, writable=not all(map(os.path.isfile, data_files)))
+    unprepared = not all(map(os.path.isfile, data_files))
+    check_folder("data_dir", config.data_dir, writable=unprepared)
+    if unprepared:
+        check_no_run_in_progress(config.data_dir)
     for name in (CHECKPOINT_NAME, RESUME_NAME, METRICS_NAME, CONFIG_NAME):
         path = os.path.join(config.out_dir, name)
         if os.path.lexists(path) and not os.path.isfile(path):
@@ -354,6 +358,9 @@ def check_paths(config):
 
 def check_folder(key, path, writable):
     """A folder at `path`, or none yet and one that can be made there; writable if asked."""
+    if not path:  # os.path.abspath('') is the current folder, os.makedirs('') an error
+        raise ConfigError(f"{key}='': expected a folder's path (made if missing), got an empty one; '.' is the "
+                          "current folder")
     if os.path.exists(path) and not os.path.isdir(path):
         raise ConfigError(f"{key}={path!r} is a file; expected a folder (made if missing)")
     existing = os.path.abspath(path)
@@ -364,6 +371,22 @@ def check_folder(key, path, writable):
     if problem:
         raise ConfigError(f"{key}={path!r}: cannot write there ({problem}); expected a folder this user can write "
                           "(made if missing)")
+
+
+def check_no_run_in_progress(data_dir):
+    """prepare.py writes the data under data_dir's lock, which a train.py run holds on its out_dir
+    for as long as it runs: data_dir being such a run's out_dir, the data would wait for that run
+    to end. Its run files tell that holder from another prepare.py, which is worth waiting for."""
+    run_files = [name for name in (CONFIG_NAME, METRICS_NAME) if os.path.exists(os.path.join(data_dir, name))]
+    if not run_files or not os.path.isdir(data_dir):
+        return
+    try:
+        with folder_lock(data_dir, wait=False):
+            return
+    except BlockingIOError:
+        raise ConfigError(f"data_dir={data_dir!r} is the out_dir of a train.py run in progress (it holds the folder's "
+                          f"lock, and its {run_files[0]} is there): the data would wait for that run to end. Give the "
+                          f"data a folder of its own (the default is {DEFAULT_DATA_DIR})") from None
 
 
 def check_no_run(config):

@@ -10,22 +10,35 @@ import gc
 import os
 import signal
 import threading
+from collections import namedtuple
 
 import torch
 import torch.distributed as dist
 
+from attention.cuda_graph import capture_graph
 from training.config import ConfigError
 
-# Dense bf16 tensor-core FLOP/s (NVIDIA's datasheets), which MFU is measured against; matched
-# against the device name in order, so the more specific names come first.
-PEAK_BF16_FLOPS = (
-    ("rtx 4070 super", 71e12),
-    ("rtx 4090", 165e12),
-    ("a100", 312e12),
-    ("h100 pcie", 756e12),
-    ("h100", 989e12),  # SXM
-    ("h200", 989e12),
-)
+# Each card's dense (no sparsity) 16-bit tensor-core peak with float32 accumulation, as the
+# kernels and the model's matmuls accumulate, and its memory bandwidth, keyed by the name
+# torch.cuda.get_device_name gives: the one table of peaks, which train.py's MFU, bench.py's
+# fractions of peak and the roofline figure (docs/figures/roofline.py) divide by.
+Card = namedtuple("Card", "tflops gb_per_s source")
+CARDS = {
+    # GeForce cards run fp16/bf16 MMA with fp32 accumulation at half the fp16-accumulate rate:
+    # 512 FLOP a clock per SM (NVIDIA Ada GPU architecture whitepaper, appendix: RTX 4090, 165.2
+    # TFLOP/s from 128 SMs at 2,520 MHz) x 56 SMs x 2,475 MHz boost = 71.0 TFLOP/s; 21 Gbps GDDR6X
+    # on a 192-bit bus = 504 GB/s (NVIDIA's RTX 4070 family specifications).
+    "NVIDIA GeForce RTX 4070 SUPER": Card(71.0, 504, "Ada whitepaper's per-SM rate x 56 SMs x 2,475 MHz"),
+    "NVIDIA GeForce RTX 4090": Card(165.2, 1008, "Ada whitepaper, appendix; 21 Gbps on a 384-bit bus"),
+    "NVIDIA A100-SXM4-80GB": Card(312.0, 2039, "NVIDIA A100 datasheet, SXM 80GB"),
+    "NVIDIA H100 PCIe": Card(756.0, 2000, "NVIDIA H100 datasheet, PCIe"),
+    # 989.4 dense BF16/FP16 TFLOP/s (the datasheet's 1,979 is with 2:4 sparsity), 3.35 TB/s HBM3:
+    # NVIDIA H100 Tensor Core GPU datasheet, SXM5 column (torch names the SXM5 card so).
+    "NVIDIA H100 80GB HBM3": Card(989.4, 3350, "NVIDIA H100 datasheet, SXM"),
+    # The same tensor cores and clocks as the H100 SXM, 4.8 TB/s HBM3e: NVIDIA H200 datasheet, SXM.
+    "NVIDIA H200": Card(989.4, 4800, "NVIDIA H200 datasheet, SXM"),
+}
+
 # Below this many FLOP a call (a micro-batch's forward and backward, a decoded token) is too
 # small to share among cores: on 2 cores configs/tiny.py's step (2.7 GFLOP) took 55 ms with 2
 # threads and 65-95 ms with 1, but 350-1,400 ms with 2 while another process kept a core busy.
@@ -90,9 +103,9 @@ def synchronize(device):
 
 
 def peak_flops(device):
-    """The card's dense bf16 peak in FLOP/s, or None when the device is not in the table."""
-    name = torch.cuda.get_device_name(device).lower() if device.type == "cuda" else ""
-    return next((flops for key, flops in PEAK_BF16_FLOPS if name and key in name), None)
+    """The card's dense 16-bit peak in FLOP/s (CARDS), or None when the device is not in the table."""
+    card = CARDS.get(torch.cuda.get_device_name(device)) if device.type == "cuda" else None
+    return card and card.tflops * 1e12
 
 
 def peak_memory_mb(device):
@@ -232,30 +245,24 @@ class StepGraph:
     """A step's forward and backward as one CUDA graph (train.py's cuda_graph), so that the host
     issuing hundreds of small kernels one by one no longer sets the pace. forward_backward(batches)
     returns the loss sum and leaves the gradients in .grad (zeroed in place); the optimizer stays
-    outside. The first call runs uncaptured on a side stream (it compiles and tunes), the second
-    captures, later ones copy their batches into the captured ones and replay."""
+    outside. The first call is the warm-up of attention.cuda_graph.capture_graph (it compiles and
+    tunes), uncaptured, and returns its own result; the graph is recorded after it, on copies of
+    its batches. Later calls copy their batches into those and replay."""
 
     def __init__(self, forward_backward):
         self.forward_backward = forward_backward
-        self.warmed_up, self.graph, self.static_batches, self.static_loss_sum = False, None, None, None
+        self.graph, self.static_batches, self.static_loss_sum = None, None, None
 
     def __call__(self, batches):
-        if not self.warmed_up:
-            side_stream = torch.cuda.Stream()
-            side_stream.wait_stream(torch.cuda.current_stream())
-            with torch.cuda.stream(side_stream):
-                loss_sum = self.forward_backward(batches)
-            torch.cuda.current_stream().wait_stream(side_stream)
-            self.warmed_up = True
-            return loss_sum
         if self.graph is None:
             self.static_batches = [tuple(t.clone() for t in batch) for batch in batches]
-            self.graph = torch.cuda.CUDAGraph()
-            with torch.cuda.graph(self.graph):
-                self.static_loss_sum = self.forward_backward(self.static_batches)
-        else:
-            for static_batch, batch in zip(self.static_batches, batches, strict=True):
-                for static, new in zip(static_batch, batch, strict=True):
-                    static.copy_(new)
+            warm_up_loss_sum = []
+            self.graph, self.static_loss_sum = capture_graph(
+                lambda: self.forward_backward(self.static_batches),
+                warm_up=lambda: warm_up_loss_sum.append(self.forward_backward(batches)))
+            return warm_up_loss_sum[0]
+        for static_batch, batch in zip(self.static_batches, batches, strict=True):
+            for static, new in zip(static_batch, batch, strict=True):
+                static.copy_(new)
         self.graph.replay()
         return self.static_loss_sum

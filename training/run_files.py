@@ -55,9 +55,15 @@ def writing(path, left="free some space and run again", errors=(OSError,)):
     try:
         yield
     except errors as e:
-        reason = e.strerror if isinstance(e, OSError) and e.strerror else str(e).strip().splitlines()[0]
+        reason = e.strerror if isinstance(e, OSError) and e.strerror else first_line(e)
         free_mb = shutil.disk_usage(os.path.dirname(path) or ".").free / 2**20
         raise RunFileError(f"could not write {path} ({reason}; {free_mb:,.0f} MB free on its disk); {left}") from None
+
+
+def first_line(error):
+    """The first line of error's text; its type's name where it has none (torch.load's EOFError
+    on an empty file)."""
+    return (str(error).strip().splitlines() or [type(error).__name__])[0]
 
 
 def save_checkpoint(state, path):
@@ -81,8 +87,9 @@ def load_checkpoint(path, resume=False):
     try:
         state = torch.load(path, map_location="cpu", weights_only=True)
     except Exception as e:
-        raise RunFileError(f"{path} cannot be read, it is truncated or corrupt ({type(e).__name__}: "
-                           f"{str(e).strip().splitlines()[0]}). Restore it from a copy, or train from scratch") from None
+        reason = f"{type(e).__name__}: {first_line(e)}" if str(e).strip() else type(e).__name__
+        raise RunFileError(f"{path} cannot be read, it is truncated or corrupt ({reason}). Restore it from a copy, "
+                           "or train from scratch") from None
     check_checkpoint(state, path, resume)
     return state
 
@@ -134,7 +141,7 @@ def check_model_args(args):
         ("block_size", c.block_size >= 1), ("vocab_size", c.vocab_size >= 1), ("n_layer", c.n_layer >= 1),
         ("n_head", c.n_head >= 1 and c.n_embd % c.n_head == 0),
         ("n_kv_head", c.n_kv_head >= 1 and c.n_head % c.n_kv_head == 0),
-        ("window", c.window >= -1), ("dropout", 0 <= c.dropout < 1)] if not ok]
+        ("window", -1 <= c.window < 2 ** 63), ("dropout", 0 <= c.dropout < 1)] if not ok]
     return f"has {broken[0]}={args.get(broken[0])!r}, which no GPT of its other fields can have" if broken else None
 
 

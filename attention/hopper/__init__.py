@@ -6,6 +6,6 @@
 
 triton_forward.flash_forward and triton_backward.flash_backward ask serves() first and send a call
 here only where these kernels measured faster than the plain Triton kernels on the H200: 16-bit,
-head dims 64 and 128, causal or no mask, long enough sequences, one kv head per query head. A
-consumer card (and NANOFA2_ADA=1) never comes here. docs/hopper.md explains the terms.
+head dims 64 and 128, long enough sequences; any mask (causal, a window, none) and grouped-query
+heads. A consumer card (and NANOFA2_ADA=1) never comes here. docs/hopper.md explains the terms.
 """

@@ -6,10 +6,12 @@ multiplies a tile pair. Here, as FlashAttention-2 and -3 do it, one program per 
 computes dK, dV and its key tile's share of dQ, five multiplies, and adds that share into a
 float32 dQ in global memory:
 
-- The grid is one program per (key tile of 2 * BLOCK_N keys, batch-head).
+- The grid is one program per (key tile of 2 * BLOCK_N keys, batch and kv head).
 - The load partition (one warp) brings the key tile's K and V once, a half for each MMA
-  warpgroup, then streams the Q and dO of every query tile that sees it, the last first,
-  through a ring of STAGES slots (mbarriers q_ready, do_ready, qdo_empty per slot).
+  warpgroup, then streams the Q and dO of every query tile that sees it (masks.
+  query_tile_bounds_gl), the last first, of each of the GROUP query heads that read this kv head
+  in turn, through a ring of STAGES slots (mbarriers q_ready, do_ready, qdo_empty per slot). A kv
+  head's dK and dV add up the parts of its query heads, as triton_backward._attn_bwd's do.
 - Two MMA partitions (a warpgroup each) own one half of the key tile: its dK and dV in float32
   registers. Per query tile, transposed as in triton_backward._dkdv_query_tiles:
       S^T = K Q^T, dP^T = V dO^T, P^T = exp2(S^T - lse), dS^T = P^T (dP^T - delta),
@@ -30,7 +32,6 @@ torch.use_deterministic_algorithms keeps the split. flash_backward sends a call 
 serves() says so: where this kernel measured faster than the split (docs/optimisation.md).
 """
 import torch
-import triton
 from triton._C.libtriton import ir
 from triton.experimental import gluon
 from triton.experimental.gluon import language as gl
@@ -38,12 +39,13 @@ from triton.experimental.gluon.language._core import builtin
 from triton.experimental.gluon.language.nvidia.hopper import (fence_async_shared, mbarrier, tma, warpgroup_mma,
                                                              warpgroup_mma_wait)
 
-from ..launch import GRID_Y_LIMIT, set_tma_scratch_allocator
-from ..masks import query_tile_counts_gl
+from ..launch import GRID_Y_LIMIT, cdiv, set_tma_scratch_allocator
+from ..masks import query_tile_bounds_gl, tile_numbers_gl, visible_in_tile_gl
 from ..triton_tiles import LOG2_E
-from .common import hopper_entry, load_into_ring, ring_slot, tensor_matrices, tma_load, tma_store
+from .common import hopper_entry, has_window, load_into_ring, ring_slot, tensor_matrices, tma_load, tma_store
 
-# The (head dim, causal) calls this kernel measured faster on, and its constants for each:
+# The (head dim, window) calls this kernel measured faster on (window: a window or causal,
+# common.has_window; the kernel's WINDOW), and its constants for each:
 # BLOCK_N keys per MMA warpgroup (the program's key tile is twice that), BLOCK_M query rows per
 # streamed tile, STAGES ring slots.
 TILES = {(64, False): dict(BLOCK_M=64, BLOCK_N=64, STAGES=2),
@@ -72,11 +74,16 @@ warpgroup_barrier = getattr(gl, "barrier", None) or gl.thread_barrier
 
 def serves(q, k, left, right):
     """Whether flash_backward runs this kernel: common.hopper_entry with this file's TILES and
-    MIN_KEYS, the batch-heads within the grid's y dimension, and determinism not asked for: its
-    reduces land in any order, so under torch.use_deterministic_algorithms(True) the split runs
-    instead."""
-    return (hopper_entry(q, k, left, right, TILES, MIN_KEYS) and q.shape[0] * q.shape[1] <= GRID_Y_LIMIT
+    MIN_KEYS, the batch's kv heads within the grid's y dimension, and determinism not asked for:
+    its reduces land in any order, so under torch.use_deterministic_algorithms(True) the split
+    runs instead."""
+    return (hopper_entry(q, k, left, right, TILES, MIN_KEYS) and k.shape[0] * k.shape[1] <= GRID_Y_LIMIT
             and not torch.are_deterministic_algorithms_enabled())
+
+
+def tiles_for(head_dim, left, right):
+    """This kernel's constants for a call (its TILES entry)."""
+    return TILES[head_dim, has_window(left, right)]
 
 
 # The partitions share their shared memory as three bundles, each a tuple (as Triton's Gluon
@@ -84,44 +91,85 @@ def serves(q, k, left, right):
 # both halves of K and of V in one buffer each, and each half's mbarrier; ring = (q_bufs, do_bufs,
 # q_ready, do_ready, qdo_empty), the ring of Q and dO tiles (common.load_into_ring); dq_bufs =
 # (ds_smem, dq_smem, ds_ready, ds_free), dQ's product: both warpgroups' dS^T, their dQ staging
-# buffers, and the mbarriers of dS^T. Each partition reads its tile sizes off the shapes of its
-# buffers; its other constants (IS_CAUSAL, HALF) stay compile-time as written in the
-# warp_specialize call.
+# buffers, and the mbarriers of dS^T. The mask goes as masks.py's tuple (N_Q, N_K, left, right).
+# Each partition reads its tile sizes off the shapes of its buffers; its other constants (HALF,
+# WINDOW) stay compile-time as written in the warp_specialize call.
 
 @gluon.jit
-def _load_partition(Q, K, V, dO, key_smem, ring, H, N_Q, IS_CAUSAL: gl.constexpr):
-    """One warp: the key tile's two halves of K and V, then every query tile that sees them, the
-    last first: the i-th (from 0) one's Q and dO into ring slot i % STAGES."""
+def _program_key_tile(H, GROUP, BLOCK_N: gl.constexpr):
+    """The program's batch, kv head and first key (of 2 * BLOCK_N) from its place in the grid."""
+    H_KV = H // GROUP
+    return gl.program_id(1) // H_KV, gl.program_id(1) % H_KV, gl.program_id(0) * 2 * BLOCK_N
+
+
+@gluon.jit
+def _query_tile_numbers(start_n, mask, BLOCK_M: gl.constexpr, KEY_ROWS: gl.constexpr):
+    """(first, full_first, full_last, last): the query tiles that see the key tile of KEY_ROWS keys
+    from start_n, in tile numbers (masks.query_tile_bounds_gl's run)."""
+    return tile_numbers_gl(query_tile_bounds_gl(start_n, mask, BLOCK_M, KEY_ROWS), BLOCK_M)
+
+
+@gluon.jit
+def query_tile_visited(u, tiles, GROUP):
+    """(g, m): the query head (the g-th of the kv head's GROUP) and the query tile of a program's
+    u-th visit (from 0), tiles = (first, full_first, full_last, last) (_query_tile_numbers):
+    first every head's full tiles, head by head, the last first; then every head's masked ones,
+    head by head, the last first: a window's left edge [full_last, last), then the diagonal
+    [first, full_first). Two flat loops, over the full visits and the masked ones
+    (_mma_partition), keep the kernel's code (and registers) to two loop bodies. The loader and
+    the MMA partitions both ask here, so they agree on the order."""
+    first, full_first, full_last, last = tiles
+    n_full = full_last - full_first
+    n_masked = last - first - n_full
+    if u < GROUP * n_full:
+        g = u // n_full
+        m = full_last - 1 - u % n_full
+    else:
+        g = (u - GROUP * n_full) // n_masked
+        m = last - 1 - (u - GROUP * n_full) % n_masked
+        if m < full_last:
+            m -= n_full
+    return g, m
+
+
+@gluon.jit
+def _load_partition(Q, K, V, dO, key_smem, ring, H, GROUP, mask):
+    """One warp: the key tile's two halves of K and V, then the query tiles that see them, of
+    every query head of the kv head, in query_tile_visited's order: the u-th one's Q and dO into
+    ring slot u % STAGES."""
     k_smem, v_smem, k_ready, v_ready = key_smem
     BLOCK_N: gl.constexpr = k_smem.shape[2] // 2
     BLOCK_M: gl.constexpr = ring[0].shape[3]
-    bh = gl.program_id(1)
-    b = bh // H
-    h = bh % H
-    start_n = gl.program_id(0) * 2 * BLOCK_N
+    b, kv_head, start_n = _program_key_tile(H, GROUP, BLOCK_N)
     for half in gl.static_range(2):
         mbarrier.expect(k_ready.index(half), K.block_type.nbytes)
-        tma_load(K, [b, h, start_n + half * BLOCK_N, 0], k_ready.index(half),
+        tma_load(K, [b, kv_head, start_n + half * BLOCK_N, 0], k_ready.index(half),
                  k_smem.slice(half * BLOCK_N, BLOCK_N, dim=2))
         mbarrier.expect(v_ready.index(half), V.block_type.nbytes)
-        tma_load(V, [b, h, start_n + half * BLOCK_N, 0], v_ready.index(half),
+        tma_load(V, [b, kv_head, start_n + half * BLOCK_N, 0], v_ready.index(half),
                  v_smem.slice(half * BLOCK_N, BLOCK_N, dim=2))
-    first, _, last = query_tile_counts_gl(start_n, N_Q, IS_CAUSAL, BLOCK_M, 2 * BLOCK_N)
-    for i in range(0, last - first):
-        load_into_ring(Q, dO, ring, i, b, h, (last - 1 - i) * BLOCK_M)
+    tiles = _query_tile_numbers(start_n, mask, BLOCK_M, 2 * BLOCK_N)
+    for u in range(0, GROUP * (tiles[3] - tiles[0])):
+        g, m = query_tile_visited(u, tiles, GROUP)
+        load_into_ring(Q, dO, ring, u, b, kv_head * GROUP + g, m * BLOCK_M)
 
 
 @gluon.jit
-def _query_tiles(dk, dv, key_tile, ring, dq_bufs, LSE, DQ, DELTA, b, h, run, N_Q, qk_scale, sm_scale,
-                 HALF: gl.constexpr, MASKED: gl.constexpr):
-    """One MMA warpgroup over the query tiles of run = (begin, end, i_begin), [begin, end), the last
-    first, the program's i_begin-th to stream (_load_partition's order): dK and dV of its half of
-    the keys, key_tile = (k_tile, v_tile, k_cols, keys), and dQ's columns HALF of the program's
-    whole key tile (k_cols), reduced into DQ."""
+def _query_tiles(dk, dv, key_tile, ring, dq_bufs, stats, DQ, heads, tiles, visits, mask, scales,
+                 HALF: gl.constexpr, MASKED: gl.constexpr, WINDOW: gl.constexpr):
+    """One MMA warpgroup over the program's visits [begin, end) = visits, the u-th one's query
+    head and tile query_tile_visited(u, tiles, GROUP), streamed u-th (_load_partition's order):
+    dK and dV of its half of the keys, key_tile = (k_tile, v_tile, k_cols, keys), and dQ's
+    columns HALF of the program's whole key tile (k_cols), reduced into DQ. stats = (LSE,
+    DELTA), heads = (b, kv_head, H, GROUP), scales = (qk_scale, sm_scale)."""
     k_tile, v_tile, k_cols, keys = key_tile
     q_bufs, do_bufs, q_ready, do_ready, qdo_empty = ring
     ds_smem, dq_smem, ds_ready, ds_free = dq_bufs
-    begin, end, i_begin = run
+    LSE, DELTA = stats
+    b, kv_head, H, GROUP = heads
+    qk_scale, sm_scale = scales
+    N_Q = mask[0]
+    begin, end = visits
     s_layout: gl.constexpr = keys.type.layout.parent
     acc_layout: gl.constexpr = dk.type.layout
     BLOCK_M: gl.constexpr = q_bufs.shape[3]
@@ -135,9 +183,9 @@ def _query_tiles(dk, dv, key_tile, ring, dq_bufs, LSE, DQ, DELTA, b, h, run, N_Q
     row_layout: gl.constexpr = gl.BlockedLayout([1], [32], [4], [0])  # one query row a thread
     no_scores = gl.zeros([BLOCK_N, BLOCK_M], gl.float32, s_layout)
     ds_own = ds_smem.slice(HALF * BLOCK_N, BLOCK_N, dim=0)  # this warpgroup's keys' rows of dS^T
-    for t in range(0, end - begin):
-        m = end - 1 - t
-        i = i_begin + t
+    for i in range(begin, end):
+        g, m = query_tile_visited(i, tiles, GROUP)
+        h = kv_head * GROUP + g
         slot, phase = ring_slot(i, STAGES)
         q_tile = q_bufs.index(slot).reshape([BLOCK_M, HEAD_DIM])
         do_tile = do_bufs.index(slot).reshape([BLOCK_M, HEAD_DIM])
@@ -145,8 +193,8 @@ def _query_tiles(dk, dv, key_tile, ring, dq_bufs, LSE, DQ, DELTA, b, h, run, N_Q
         # would hold 16 registers a thread each for the whole step. Rows past N_Q read
         # lse = +inf: P = 0 there, no mask.
         rows = m * BLOCK_M + gl.arange(0, BLOCK_M, layout=row_layout)
-        lse_rows = gl.load(LSE + rows, mask=rows < N_Q, other=float("inf"))
-        delta_rows = gl.load(DELTA + rows, mask=rows < N_Q, other=0.0)
+        lse_rows = gl.load(LSE + (b * H + h) * N_Q + rows, mask=rows < N_Q, other=float("inf"))
+        delta_rows = gl.load(DELTA + (b * H + h) * N_Q + rows, mask=rows < N_Q, other=0.0)
         # S^T and dP^T both issued at once: P^T's exponentials run while dP^T finishes.
         mbarrier.wait(q_ready.index(slot), phase)
         s_t = warpgroup_mma(k_tile, q_tile.permute((1, 0)), no_scores, use_acc=False, is_async=True)
@@ -155,11 +203,11 @@ def _query_tiles(dk, dv, key_tile, ring, dq_bufs, LSE, DQ, DELTA, b, h, run, N_Q
         s_t = warpgroup_mma_wait(num_outstanding=1, deps=(s_t,))  # they retire in order: S^T is done
         lse = gl.convert_layout(lse_rows, gl.SliceLayout(0, s_layout)) * LOG2_E
         p_t = gl.exp2(s_t * qk_scale - lse[None, :])
-        # Causal, a tile that crosses the diagonal: masks.visible_in_tile_gl's diagonal alone, as a
-        # key past N_K needs no mask here (a zero row of K and V; its dK and dV are never stored).
+        # A tile at the diagonal or a window's edge: masks.visible_in_tile_gl, transposed (the
+        # query rows along S^T's columns).
         if MASKED:
             cols = m * BLOCK_M + gl.arange(0, BLOCK_M, layout=gl.SliceLayout(0, s_layout))
-            p_t = gl.where(keys[:, None] <= cols[None, :], p_t, 0.0)
+            p_t = gl.where(visible_in_tile_gl(cols[None, :], keys[:, None], mask, WINDOW), p_t, 0.0)
         delta = gl.convert_layout(delta_rows, gl.SliceLayout(0, s_layout))
         dp_t = warpgroup_mma_wait(num_outstanding=0, deps=(dp_t,))
         ds_t = p_t * (dp_t - delta[None, :])
@@ -188,10 +236,11 @@ def _query_tiles(dk, dv, key_tile, ring, dq_bufs, LSE, DQ, DELTA, b, h, run, N_Q
 
 
 @gluon.jit
-def _mma_partition(dK, dV, LSE, DQ, DELTA, key_smem, ring, dq_bufs, H, N_Q, qk_scale, sm_scale,
-                   IS_CAUSAL: gl.constexpr, HALF: gl.constexpr):
-    """One warpgroup: dK and dV of keys [start_n + HALF * BLOCK_N, + BLOCK_N) and its columns of
-    dQ, over every query tile that sees the program's key tile; then dK and dV's store."""
+def _mma_partition(dK, dV, LSE, DQ, DELTA, key_smem, ring, dq_bufs, H, GROUP, mask, qk_scale, sm_scale,
+                   HALF: gl.constexpr, WINDOW: gl.constexpr):
+    """One warpgroup: dK and dV of keys [start_n + HALF * BLOCK_N, + BLOCK_N) of the kv head and
+    its columns of dQ, over every query tile that sees the program's key tile, of each query head
+    of the kv head; then dK and dV's store."""
     k_smem, v_smem, k_ready, v_ready = key_smem
     _, _, _, ds_free = dq_bufs
     BLOCK_N: gl.constexpr = k_smem.shape[2] // 2
@@ -202,39 +251,41 @@ def _mma_partition(dK, dV, LSE, DQ, DELTA, key_smem, ring, dq_bufs, H, N_Q, qk_s
                                                        instr_shape=[16, BLOCK_M, 16])
     acc_layout: gl.constexpr = gl.NVMMADistributedLayout(version=[3, 0], warps_per_cta=[4, 1],
                                                          instr_shape=[16, HEAD_DIM, 16])
-    bh = gl.program_id(1)
-    b = bh // H
-    h = bh % H
-    start_n = gl.program_id(0) * 2 * BLOCK_N
+    b, kv_head, start_n = _program_key_tile(H, GROUP, BLOCK_N)
     key_start = start_n + HALF * BLOCK_N
     keys = key_start + gl.arange(0, BLOCK_N, layout=gl.SliceLayout(1, s_layout))
-    LSE += bh * N_Q
-    DELTA += bh * N_Q
     k_all = k_smem.reshape([2 * BLOCK_N, HEAD_DIM])
     k_tile = k_all.slice(HALF * BLOCK_N, BLOCK_N, dim=0)
     v_tile = v_smem.reshape([2 * BLOCK_N, HEAD_DIM]).slice(HALF * BLOCK_N, BLOCK_N, dim=0)
     k_cols = k_all.slice(HALF * (HEAD_DIM // 2), HEAD_DIM // 2, dim=1)  # dQ's product: both halves' keys
-    first, unmasked, last = query_tile_counts_gl(start_n, N_Q, IS_CAUSAL, BLOCK_M, 2 * BLOCK_N)
+    tiles = _query_tile_numbers(start_n, mask, BLOCK_M, 2 * BLOCK_N)
+    full_visits = GROUP * (tiles[2] - tiles[1])
+    visits = GROUP * (tiles[3] - tiles[0])
     dk = gl.zeros([BLOCK_N, HEAD_DIM], gl.float32, acc_layout)
     dv = gl.zeros([BLOCK_N, HEAD_DIM], gl.float32, acc_layout)
     mbarrier.wait(k_ready.index(0), 0)  # each is used once: phase 0
     mbarrier.wait(k_ready.index(1), 0)
     mbarrier.wait(v_ready.index(HALF), 0)
-    # The query tiles past the diagonal, then (causal) the ones that cross it, each run last first.
     key_tile = (k_tile, v_tile, k_cols, keys)
-    dk, dv = _query_tiles(dk, dv, key_tile, ring, dq_bufs, LSE, DQ, DELTA, b, h, (unmasked, last, 0), N_Q, qk_scale,
-                          sm_scale, HALF, False)
-    dk, dv = _query_tiles(dk, dv, key_tile, ring, dq_bufs, LSE, DQ, DELTA, b, h, (first, unmasked, last - unmasked),
-                          N_Q, qk_scale, sm_scale, HALF, True)
+    scales = (qk_scale, sm_scale)
+    heads = (b, kv_head, H, GROUP)
+    # The full visits, then the masked ones (query_tile_visited's order). Without a window every
+    # query tile is full (rows past N_Q need no mask), and the masked loop is not compiled: one
+    # loop body fewer, fewer registers spilled.
+    dk, dv = _query_tiles(dk, dv, key_tile, ring, dq_bufs, (LSE, DELTA), DQ, heads, tiles, (0, full_visits), mask,
+                          scales, HALF, False, WINDOW)
+    if WINDOW:
+        dk, dv = _query_tiles(dk, dv, key_tile, ring, dq_bufs, (LSE, DELTA), DQ, heads, tiles, (full_visits, visits),
+                              mask, scales, HALF, True, WINDOW)
     # The other warpgroup's last dQ product reads this half's K too: wait until both are done
     # (ds_free of the last query tile; passes at once when there was none).
-    mbarrier.wait(ds_free.index(0), (last - first - 1) & 1)
+    mbarrier.wait(ds_free.index(0), (visits - 1) & 1)
     # Nothing reads this half's K and V any more: their buffers take dK and dV out.
     k_tile.store((dk * sm_scale).to(k_smem.dtype))
     v_tile.store(dv.to(v_smem.dtype))
     fence_async_shared()
-    tma_store(dK, [b, h, key_start, 0], k_smem.slice(HALF * BLOCK_N, BLOCK_N, dim=2))
-    tma_store(dV, [b, h, key_start, 0], v_smem.slice(HALF * BLOCK_N, BLOCK_N, dim=2))
+    tma_store(dK, [b, kv_head, key_start, 0], k_smem.slice(HALF * BLOCK_N, BLOCK_N, dim=2))
+    tma_store(dV, [b, kv_head, key_start, 0], v_smem.slice(HALF * BLOCK_N, BLOCK_N, dim=2))
     tma.store_wait(pendings=0)
 
 
@@ -243,16 +294,17 @@ def _attn_bwd_warp_specialized(Q, K, V, dO, dK, dV, LSE, DELTA, DQ,
                                stride_qb, stride_qh, stride_qn, stride_kb, stride_kh, stride_kn,
                                stride_vb, stride_vh, stride_vn, stride_dob, stride_doh, stride_don,
                                stride_dkb, stride_dkh, stride_dkn, stride_dvb, stride_dvh, stride_dvn,
-                               stride_dqb, stride_dqh, stride_dqn, B, H, N_Q, N_K, qk_scale, sm_scale,
-                               IS_CAUSAL: gl.constexpr, HEAD_DIM: gl.constexpr, BLOCK_M: gl.constexpr,
+                               stride_dqb, stride_dqh, stride_dqn, B, H, GROUP, N_Q, N_K, left, right, qk_scale,
+                               sm_scale, WINDOW: gl.constexpr, HEAD_DIM: gl.constexpr, BLOCK_M: gl.constexpr,
                                BLOCK_N: gl.constexpr, STAGES: gl.constexpr, MMA_REGISTERS: gl.constexpr,
                                LOAD_REGISTERS: gl.constexpr):
     q_matrices = tensor_matrices(Q, B, H, N_Q, stride_qb, stride_qh, stride_qn, BLOCK_M, HEAD_DIM)
     do_matrices = tensor_matrices(dO, B, H, N_Q, stride_dob, stride_doh, stride_don, BLOCK_M, HEAD_DIM)
-    k_matrices = tensor_matrices(K, B, H, N_K, stride_kb, stride_kh, stride_kn, BLOCK_N, HEAD_DIM)
-    v_matrices = tensor_matrices(V, B, H, N_K, stride_vb, stride_vh, stride_vn, BLOCK_N, HEAD_DIM)
-    dk_matrices = tensor_matrices(dK, B, H, N_K, stride_dkb, stride_dkh, stride_dkn, BLOCK_N, HEAD_DIM)
-    dv_matrices = tensor_matrices(dV, B, H, N_K, stride_dvb, stride_dvh, stride_dvn, BLOCK_N, HEAD_DIM)
+    H_KV = H // GROUP
+    k_matrices = tensor_matrices(K, B, H_KV, N_K, stride_kb, stride_kh, stride_kn, BLOCK_N, HEAD_DIM)
+    v_matrices = tensor_matrices(V, B, H_KV, N_K, stride_vb, stride_vh, stride_vn, BLOCK_N, HEAD_DIM)
+    dk_matrices = tensor_matrices(dK, B, H_KV, N_K, stride_dkb, stride_dkh, stride_dkn, BLOCK_N, HEAD_DIM)
+    dv_matrices = tensor_matrices(dV, B, H_KV, N_K, stride_dvb, stride_dvh, stride_dvn, BLOCK_N, HEAD_DIM)
     # dQ (float32) is reduced into in tiles of a warpgroup's half of its columns.
     dq_smem_layout: gl.constexpr = gl.NVMMASharedLayout.get_default_for([1, 1, BLOCK_M, HEAD_DIM // 2], gl.float32)
     dq_matrices = tma.make_tensor_descriptor(DQ, shape=[B, H, N_Q, HEAD_DIM],
@@ -289,31 +341,34 @@ def _attn_bwd_warp_specialized(Q, K, V, dO, dK, dV, LSE, DELTA, DQ,
     key_smem = (k_smem, v_smem, k_ready, v_ready)
     ring = (q_bufs, do_bufs, q_ready, do_ready, qdo_empty)
     dq_bufs = (ds_smem, dq_smem, ds_ready, ds_free)
+    mask = (N_Q, N_K, left, right)
 
     # The argument tuples are written in the call, so their constants stay compile-time
     # (forward._attn_fwd_warp_specialized says why).
     gl.warp_specialize([
-        (_mma_partition, (dk_matrices, dv_matrices, LSE, dq_matrices, DELTA, key_smem, ring, dq_bufs, H, N_Q, qk_scale,
-                          sm_scale, IS_CAUSAL, 0)),
-        (_mma_partition, (dk_matrices, dv_matrices, LSE, dq_matrices, DELTA, key_smem, ring, dq_bufs, H, N_Q, qk_scale,
-                          sm_scale, IS_CAUSAL, 1)),
-        (_load_partition, (q_matrices, k_matrices, v_matrices, do_matrices, key_smem, ring, H, N_Q, IS_CAUSAL)),
+        (_mma_partition, (dk_matrices, dv_matrices, LSE, dq_matrices, DELTA, key_smem, ring, dq_bufs, H, GROUP, mask,
+                          qk_scale, sm_scale, 0, WINDOW)),
+        (_mma_partition, (dk_matrices, dv_matrices, LSE, dq_matrices, DELTA, key_smem, ring, dq_bufs, H, GROUP, mask,
+                          qk_scale, sm_scale, 1, WINDOW)),
+        (_load_partition, (q_matrices, k_matrices, v_matrices, do_matrices, key_smem, ring, H, GROUP, mask)),
     ], [4, 1], [MMA_REGISTERS, LOAD_REGISTERS])
 
 
-def launch(q, k, v, do, lse, delta, is_causal, dq, dk, dv):
-    """flash_backward's contract, given delta = rowsum(dO * O): q, k, v, do, dk, dv (B, H, N, D)
-    descriptor-ready views, lse and delta (B, H, N_q) float32 contiguous. Writes dk and dv, and
-    dq (any strides) from a float32 dQ the kernel reduces into."""
+def launch(q, k, v, do, lse, delta, left, right, dq, dk, dv):
+    """flash_backward's contract, given delta = rowsum(dO * O): q, do (B, H, N_q, D) and k, v,
+    dk, dv (B, H_kv, N_k, D) descriptor-ready views, lse and delta (B, H, N_q) float32
+    contiguous, the window's sides (masks.window_bounds). Writes dk and dv, and dq (any strides)
+    from a float32 dQ the kernel reduces into."""
     B, H, N_Q, D = q.shape
-    N_K = k.shape[2]
-    tiles = TILES[D, is_causal]
+    H_KV, N_K = k.shape[1], k.shape[2]
+    tiles = tiles_for(D, left, right)
     dq_sum = torch.zeros(q.shape, dtype=torch.float32, device=q.device)
     set_tma_scratch_allocator()
-    grid = (triton.cdiv(N_K, 2 * tiles["BLOCK_N"]), B * H)
+    grid = (cdiv(N_K, 2 * tiles["BLOCK_N"]), B * H_KV)
     sm_scale = D ** -0.5
     _attn_bwd_warp_specialized[grid](q, k, v, do, dk, dv, lse, delta, dq_sum, *q.stride()[:3], *k.stride()[:3],
                                      *v.stride()[:3], *do.stride()[:3], *dk.stride()[:3], *dv.stride()[:3],
-                                     *dq_sum.stride()[:3], B, H, N_Q, N_K, sm_scale * LOG2_E.value, sm_scale,
-                                     IS_CAUSAL=is_causal, HEAD_DIM=D, **tiles, **REGISTERS, num_warps=4)
+                                     *dq_sum.stride()[:3], B, H, H // H_KV, N_Q, N_K, left, right,
+                                     sm_scale * LOG2_E.value, sm_scale, WINDOW=has_window(left, right), HEAD_DIM=D,
+                                     **tiles, **REGISTERS, num_warps=4)
     dq.copy_(dq_sum)

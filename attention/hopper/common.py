@@ -1,6 +1,6 @@
 """What the two Hopper kernels share: when they serve a call, their TMA descriptors over whole
-(B, H, N, D) tensors, and the ring of shared-memory slots a loader fills. Their tile rules, for
-the two masks they take (causal and none), are masks.py's."""
+(B, H, N, D) tensors, and the ring of shared-memory slots a loader fills. Their tile rules are
+masks.py's (the _gl twins)."""
 import functools
 
 import torch
@@ -17,14 +17,19 @@ tma_load = getattr(tma, "async_load", None) or tma.async_copy_global_to_shared
 tma_store = getattr(tma, "async_store", None) or tma.async_copy_shared_to_global
 
 
+def has_window(left, right):
+    """Whether a call's mask has a window, causal included (a bound on either side): the TILES
+    key's second half, and the kernels' WINDOW. Such a call visits masked tiles at its window's
+    edges; one without, only at the end of the keys."""
+    return (left, right) != (UNBOUNDED, UNBOUNDED)
+
+
 def hopper_entry(q, k, left, right, tiles, min_keys):
-    """What both Gluon kernels ask of a call: 16-bit, one kv head per query head, a causal mask
-    or none (no window), a head dim and mask in tiles with its min_keys keys or more, compiled
-    (not interpreted) for a Hopper card, and not the consumer-card path. The rest goes to the
+    """What both Gluon kernels ask of a call: 16-bit, a head dim and mask (has_window) in tiles
+    with its min_keys keys or more, compiled (not interpreted) for a Hopper card, and not the
+    consumer-card path. Any window and grouped-query heads are served. The rest goes to the
     plain Triton kernels."""
-    if left != UNBOUNDED or right not in (0, UNBOUNDED) or q.shape[1] != k.shape[1]:
-        return False
-    key = (q.shape[-1], right == 0)
+    key = (q.shape[-1], has_window(left, right))
     return (q.dtype in (torch.bfloat16, torch.float16) and key in tiles and k.shape[2] >= min_keys[key]
             and not INTERPRETING and not ADA_PATH and is_hopper(q.device))
 

@@ -8,8 +8,13 @@ layouts, shared-memory buffers, barriers and warp roles:
 
 - One program per SM takes units of work in turn (persistent). A unit is a pair of query
   tiles of one (batch, head), each 2 * BLOCK_M rows: tile t and its mirror T - 1 - t, which
-  causal have T + 1 key tiles between them whatever t is: every unit is the same work.
-- The load partition (one warp) loads each query tile's Q, then streams its K and V tiles
+  causal have T + 1 key tiles between them whatever t is: every unit is the same work (under a
+  window every query tile has about the same work anyway).
+- Grouped-query heads are an index map, as in triton_forward.py: query head h reads kv head
+  h // GROUP. The heads of a group are neighbouring units, so their K and V tiles come from L2.
+- The load partition (one warp) loads each query tile's Q, then streams the K and V tiles it
+  sees (masks.key_tile_bounds_gl: a masked run at a window's left edge, full tiles, a masked run
+  at the diagonal or the window's right edge)
   through TMA into a ring of STAGES slots (mbarriers k_ready, v_ready, kv_empty per slot). Q
   has two buffers per half, so the next query tile's Q and first K/V tiles load while this
   one's keys are still read: a program pays the loads' latency once, not once a query tile.
@@ -23,18 +28,18 @@ flash_forward sends a call here when serves() says so: where this kernel measure
 triton_forward.py's on the H200 (docs/optimisation.md). It computes what _attn_fwd computes:
 O, and the logsumexp lse that the backward reads.
 """
-import triton
 from triton.experimental import gluon
 from triton.experimental.gluon import language as gl
 from triton.experimental.gluon.language.nvidia.hopper import (fence_async_shared, mbarrier, tma, warpgroup_mma,
                                                              warpgroup_mma_wait)
 
-from ..launch import set_tma_scratch_allocator
-from ..masks import key_tile_counts_gl, visible_in_tile_gl
+from ..launch import cdiv, set_tma_scratch_allocator
+from ..masks import key_tile_bounds_gl, tile_numbers_gl, visible_in_tile_gl
 from ..triton_tiles import LN_2, LOG2_E
-from .common import hopper_entry, load_into_ring, ring_slot, sm_count, tensor_matrices, tma_load, tma_store
+from .common import hopper_entry, has_window, load_into_ring, ring_slot, sm_count, tensor_matrices, tma_load, tma_store
 
-# The (head dim, causal) calls this kernel measured faster on, and its constants for each:
+# The (head dim, window) calls this kernel measured faster on, window meaning a window or causal
+# (common.has_window; the kernel's WINDOW), and its constants for each:
 # BLOCK_M query rows per softmax partition, BLOCK_N keys per tile, STAGES ring slots, and
 # SCORES_AHEAD, whether a step issues the next key tile's scores with P V (_key_tiles).
 TILES = {(128, False): dict(BLOCK_M=64, BLOCK_N=128, STAGES=2, SCORES_AHEAD=True),
@@ -42,7 +47,8 @@ TILES = {(128, False): dict(BLOCK_M=64, BLOCK_N=128, STAGES=2, SCORES_AHEAD=True
          (64, False): dict(BLOCK_M=64, BLOCK_N=256, STAGES=2, SCORES_AHEAD=False),
          (64, True): dict(BLOCK_M=64, BLOCK_N=128, STAGES=2, SCORES_AHEAD=True)}
 # The fewest keys it serves each from: the shortest length measured, or at head dim 64 causal
-# the shortest where it was compared with triton_forward.py's kernel (faster at 1,024).
+# the shortest where it was compared with triton_forward.py's kernel (faster at 1,024). A window
+# takes its mask's entry.
 MIN_KEYS = {(128, False): 256, (128, True): 256, (64, False): 256, (64, True): 1024}
 # Registers per thread: the softmax warpgroups need many, the loader few.
 REGISTERS = dict(SOFTMAX_REGISTERS=232, LOAD_REGISTERS=24)
@@ -50,6 +56,11 @@ REGISTERS = dict(SOFTMAX_REGISTERS=232, LOAD_REGISTERS=24)
 def serves(q, k, left, right):
     """Whether flash_forward runs this kernel (common.hopper_entry with this file's TILES and MIN_KEYS)."""
     return hopper_entry(q, k, left, right, TILES, MIN_KEYS)
+
+
+def tiles_for(head_dim, left, right):
+    """This kernel's constants for a call (its TILES entry)."""
+    return TILES[head_dim, has_window(left, right)]
 
 
 @gluon.jit
@@ -75,45 +86,68 @@ def _q_buffer(tiles_done, half):
 # tutorials pass theirs): q_slots = (q_smem, q_ready, q_empty), the four halves of Q a program
 # keeps (_q_buffer) and their mbarriers, and kv_ring = (k_bufs, v_bufs, k_ready, v_ready,
 # kv_empty), the ring of K and V tiles (common.load_into_ring); the softmax partitions' outputs
-# go as out = (O's descriptor, LSE). Each partition reads its tile sizes off the shapes of its
-# buffers. Its other constants (IS_CAUSAL, HALF, SCORES_AHEAD) come in
-# its arguments, which stay compile-time only as written in the warp_specialize call
-# (_attn_fwd_warp_specialized).
+# go as out = (O's descriptor, LSE), and the mask as masks.py's tuple (N_Q, N_K, left, right).
+# Each partition reads its tile sizes off the shapes of its buffers. Its other constants (HALF,
+# SCORES_AHEAD, WINDOW) come in its arguments, which stay compile-time only as written in the
+# warp_specialize call (_attn_fwd_warp_specialized).
 
 @gluon.jit
-def _load_query_tile(Q, K, V, q_slots, kv_ring, b, h, start_m, N_K, ring, tiles_done, IS_CAUSAL: gl.constexpr):
+def _key_tile_numbers(start_m, mask, ROWS: gl.constexpr, BLOCK_N: gl.constexpr):
+    """(first, full_first, full_last, last): the key tiles the query tile of ROWS rows from start_m
+    visits, in tile numbers (masks.key_tile_bounds_gl's run)."""
+    return tile_numbers_gl(key_tile_bounds_gl(start_m, mask, ROWS, BLOCK_N), BLOCK_N)
+
+
+@gluon.jit
+def key_tile_visited(t, tiles):
+    """The key tile a query tile visits t-th (from 0), tiles = (first, full_first, full_last, last)
+    (_key_tile_numbers): its full tiles first, then its masked ones, a window's left edge
+    [first, full_first) and then [full_last, last). One loop over the full tiles and one over the
+    masked ones (_softmax_query_tile) keep the kernel's code (and registers) to two loop bodies.
+    The loader and the softmax partitions both ask here, so they agree on the order."""
+    first, full_first, full_last, _ = tiles
+    j = full_first + t
+    if t >= full_last - full_first:
+        j = first + t - (full_last - full_first)
+        if j >= full_first:
+            j += full_last - full_first
+    return j
+
+
+@gluon.jit
+def _load_query_tile(Q, K, V, q_slots, kv_ring, b, h, kv_head, start_m, mask, ring, tiles_done):
     """The loader's part of one query tile: its two halves of Q into the buffers of query tile
-    tiles_done % 2, once the softmax partitions have let go of the tile before; then key tile
-    j's K and V into ring slot ring % STAGES."""
+    tiles_done % 2, once the softmax partitions have let go of the tile before; then the K and V
+    of each key tile it sees, from kv head kv_head, into the ring's next slot."""
     q_smem, q_ready, q_empty = q_slots
     BLOCK_M: gl.constexpr = q_smem.shape[3]
     BLOCK_N: gl.constexpr = kv_ring[0].shape[3]
-    _, n_tiles = key_tile_counts_gl(start_m, N_K, IS_CAUSAL, 2 * BLOCK_M, BLOCK_N)
+    tiles = _key_tile_numbers(start_m, mask, 2 * BLOCK_M, BLOCK_N)
     for half in gl.static_range(2):
         q_buf, q_phase = _q_buffer(tiles_done, half)
-        # The first wait on an "empty" barrier passes at once, as in _load_into_ring.
+        # The first wait on an "empty" barrier passes at once, as in common.load_into_ring.
         mbarrier.wait(q_empty.index(q_buf), q_phase ^ 1)
         mbarrier.expect(q_ready.index(q_buf), Q.block_type.nbytes)
         tma_load(Q, [b, h, start_m + half * BLOCK_M, 0], q_ready.index(q_buf), q_smem.index(q_buf))
-    for j in range(n_tiles):
-        load_into_ring(K, V, kv_ring, ring, b, h, j * BLOCK_N)
+    for t in range(tiles[3] - tiles[0]):
+        load_into_ring(K, V, kv_ring, ring, b, kv_head, key_tile_visited(t, tiles) * BLOCK_N)
         ring += 1
     return ring, tiles_done + 1
 
 
 @gluon.jit
-def _load_partition(Q, K, V, q_slots, kv_ring, n_units, n_pairs, n_query_tiles, H, N_K, IS_CAUSAL: gl.constexpr):
+def _load_partition(Q, K, V, q_slots, kv_ring, n_units, n_pairs, n_query_tiles, H, GROUP, mask):
     """One warp: the program's units in turn, each query tile's loads (_load_query_tile)."""
     BLOCK_M: gl.constexpr = q_slots[0].shape[3]
     ring = 0
     tiles_done = 0
     for unit in range(gl.program_id(0), n_units, gl.num_programs(0)):
         b, h, mirror_start, start = _unit(unit, n_pairs, n_query_tiles, H, 2 * BLOCK_M)
-        ring, tiles_done = _load_query_tile(Q, K, V, q_slots, kv_ring, b, h, mirror_start, N_K, ring, tiles_done,
-                                            IS_CAUSAL)
+        ring, tiles_done = _load_query_tile(Q, K, V, q_slots, kv_ring, b, h, h // GROUP, mirror_start, mask, ring,
+                                            tiles_done)
         if start != mirror_start:
-            ring, tiles_done = _load_query_tile(Q, K, V, q_slots, kv_ring, b, h, start, N_K, ring, tiles_done,
-                                                IS_CAUSAL)
+            ring, tiles_done = _load_query_tile(Q, K, V, q_slots, kv_ring, b, h, h // GROUP, start, mask, ring,
+                                                tiles_done)
 
 
 @gluon.jit
@@ -129,28 +163,35 @@ def _issue_scores(q_tile, kv_ring, index, no_scores):
 
 
 @gluon.jit
-def online_softmax_update(acc, l_i, m_i, s, qk_scale):
+def online_softmax_update(acc, l_i, m_i, s, qk_scale, UNSEEN_ROWS: gl.constexpr):
     """triton_forward.online_softmax_update up to its product P V, which the caller issues on
-    the tensor cores (asynchronously): fold one tile of raw scores s into the running max m_i
-    (base-2 logits) and sum l_i, rescale acc to the new max, and return P with the three. The
-    Triton update's guard for a row that has seen no key is not needed: under the two masks
-    these kernels take, every row sees key 0, in the first tile it visits."""
+    the tensor cores (asynchronously): fold one tile of raw scores s (hidden ones -inf) into the
+    running max m_i (base-2 logits) and sum l_i, rescale acc to the new max, and return P with
+    the three. UNSEEN_ROWS: whether a row may have seen no key yet, which only a window's masked
+    tiles allow (without one every row sees key 0 in its first tile, and the guard is not
+    compiled)."""
     m_new = gl.maximum(m_i, gl.max(s, 1) * qk_scale)
-    p = gl.exp2(s * qk_scale - m_new[:, None])
-    alpha = gl.exp2(m_i - m_new)  # how much the old maximum overstated the new one
+    m_shift = m_new
+    if UNSEEN_ROWS:  # a row that has seen no key yet: measure against 0, not -inf (exp2(-inf - -inf) is NaN)
+        m_shift = gl.where(m_new == float("-inf"), 0.0, m_new)
+    p = gl.exp2(s * qk_scale - m_shift[:, None])
+    alpha = gl.exp2(m_i - m_shift)  # <= 1: rescales the sums taken against the old, smaller maximum
     l_i = l_i * alpha + gl.sum(p, 1)
     acc = acc * gl.convert_layout(alpha, gl.SliceLayout(1, acc.type.layout))[:, None]
     return p, acc, l_i, m_new
 
 
 @gluon.jit
-def _key_tiles(acc, l_i, m_i, s, q_tile, kv_ring, first, last, n_tiles, ring, rows, N_K, qk_scale,
-               IS_CAUSAL: gl.constexpr, MASKED: gl.constexpr, SCORES_AHEAD: gl.constexpr):
-    """triton_forward._key_tiles with the ring: the online-softmax update over key tiles
-    [first, last) of the query tile's n_tiles, tile j read from slot (ring + j) % STAGES and
-    released once P V is done with it. A step waits for the tensor cores twice, for S_j and for
-    P_j V_j. With SCORES_AHEAD it issues tile j + 1's scores right after P_j V_j and waits once
-    for both, so the tensor cores run the two back to back; s comes in holding tile first's."""
+def _key_tiles(acc, l_i, m_i, s, q_tile, kv_ring, tiles, visits, ring, rows, mask, qk_scale,
+               MASKED: gl.constexpr, SCORES_AHEAD: gl.constexpr, WINDOW: gl.constexpr):
+    """triton_forward._key_tiles with the ring: the online-softmax update over the query tile's
+    visits [begin, end) (visits = (begin, end); the t-th visit is key tile key_tile_visited(t,
+    tiles), read from ring position ring + t and released once P V is done with it). A step
+    waits for the tensor cores twice, for S and for P V. With SCORES_AHEAD it issues the next
+    visit's scores right after P V and waits once for both, so the tensor cores run the two back
+    to back; s comes in holding visit begin's."""
+    begin, end = visits
+    n_visits = tiles[3] - tiles[0]
     k_bufs, v_bufs, _, v_ready, kv_empty = kv_ring
     s_layout: gl.constexpr = s.type.layout
     o_layout: gl.constexpr = acc.type.layout
@@ -161,20 +202,20 @@ def _key_tiles(acc, l_i, m_i, s, q_tile, kv_ring, first, last, n_tiles, ring, ro
     # P goes into the second matrix multiply from registers, in the layout wgmma reads its A operand in.
     p_layout: gl.constexpr = gl.DotOperandLayout(operand_index=0, parent=o_layout, k_width=2)
     no_scores = gl.zeros([BLOCK_M, BLOCK_N], gl.float32, s_layout)
-    for j in range(first, last):
-        slot, phase = ring_slot(ring + j, STAGES)
+    for t in range(begin, end):
+        slot, phase = ring_slot(ring + t, STAGES)
         v_tile = v_bufs.index(slot).reshape([BLOCK_N, HEAD_DIM])
         if not SCORES_AHEAD:
-            s = _issue_scores(q_tile, kv_ring, ring + j, no_scores)
+            s = _issue_scores(q_tile, kv_ring, ring + t, no_scores)
             s = warpgroup_mma_wait(num_outstanding=0, deps=(s,))
-        if MASKED:  # keys past N_K, and after the row's own when causal
-            cols = j * BLOCK_N + gl.arange(0, BLOCK_N, layout=gl.SliceLayout(0, s_layout))
-            s = gl.where(visible_in_tile_gl(rows[:, None], cols[None, :], N_K, IS_CAUSAL), s, float("-inf"))
-        p, acc, l_i, m_i = online_softmax_update(acc, l_i, m_i, s, qk_scale)
+        if MASKED:  # keys past N_K, and outside the row's window (after the row's own when causal)
+            cols = key_tile_visited(t, tiles) * BLOCK_N + gl.arange(0, BLOCK_N, layout=gl.SliceLayout(0, s_layout))
+            s = gl.where(visible_in_tile_gl(rows[:, None], cols[None, :], mask, WINDOW), s, float("-inf"))
+        p, acc, l_i, m_i = online_softmax_update(acc, l_i, m_i, s, qk_scale, MASKED and WINDOW)
         mbarrier.wait(v_ready.index(slot), phase)
         pv = warpgroup_mma(gl.convert_layout(p.to(q_tile.dtype), p_layout), v_tile, acc, is_async=True)
-        if SCORES_AHEAD and j + 1 < n_tiles:
-            s_next = _issue_scores(q_tile, kv_ring, ring + j + 1, no_scores)
+        if SCORES_AHEAD and t + 1 < n_visits:
+            s_next = _issue_scores(q_tile, kv_ring, ring + t + 1, no_scores)
             acc, s = warpgroup_mma_wait(num_outstanding=0, deps=(pv, s_next))
         else:  # s keeps its stale value: a new one here measured slower (docs/optimisation.md)
             acc = warpgroup_mma_wait(num_outstanding=0, deps=(pv,))
@@ -183,11 +224,12 @@ def _key_tiles(acc, l_i, m_i, s, q_tile, kv_ring, first, last, n_tiles, ring, ro
 
 
 @gluon.jit
-def _softmax_query_tile(out, q_slots, o_smem, kv_ring, b, h, H, start_m, N_Q, N_K, qk_scale, ring, tiles_done,
-                        IS_CAUSAL: gl.constexpr, HALF: gl.constexpr, SCORES_AHEAD: gl.constexpr):
+def _softmax_query_tile(out, q_slots, o_smem, kv_ring, b, h, H, start_m, mask, qk_scale, ring, tiles_done,
+                        HALF: gl.constexpr, SCORES_AHEAD: gl.constexpr, WINDOW: gl.constexpr):
     """One softmax partition's part of one query tile: rows [start_m + HALF * BLOCK_M, + BLOCK_M)
     against the tile's key tiles, then their O (through TMA, out[0]) and lse (out[1])."""
     O, LSE = out
+    N_Q = mask[0]
     q_smem, q_ready, q_empty = q_slots
     BLOCK_M: gl.constexpr = q_smem.shape[3]
     HEAD_DIM: gl.constexpr = q_smem.shape[4]
@@ -197,7 +239,8 @@ def _softmax_query_tile(out, q_slots, o_smem, kv_ring, b, h, H, start_m, N_Q, N_
                                                        instr_shape=[16, BLOCK_N, 16])
     o_layout: gl.constexpr = gl.NVMMADistributedLayout(version=[3, 0], warps_per_cta=[4, 1],
                                                        instr_shape=[16, HEAD_DIM, 16])
-    n_unmasked, n_tiles = key_tile_counts_gl(start_m, N_K, IS_CAUSAL, 2 * BLOCK_M, BLOCK_N)
+    tiles = _key_tile_numbers(start_m, mask, 2 * BLOCK_M, BLOCK_N)
+    first, full_first, full_last, last = tiles
     row_start = start_m + HALF * BLOCK_M
     rows = row_start + gl.arange(0, BLOCK_M, layout=gl.SliceLayout(1, s_layout))
     m_i = gl.full([BLOCK_M], float("-inf"), gl.float32, gl.SliceLayout(1, s_layout))
@@ -207,40 +250,48 @@ def _softmax_query_tile(out, q_slots, o_smem, kv_ring, b, h, H, start_m, N_Q, N_
     q_buf, q_phase = _q_buffer(tiles_done, HALF)
     q_tile = q_smem.index(q_buf).reshape([BLOCK_M, HEAD_DIM])
     mbarrier.wait(q_ready.index(q_buf), q_phase)
-    if SCORES_AHEAD:  # the first key tile's scores; each step of _key_tiles issues the next one's
-        s = _issue_scores(q_tile, kv_ring, ring, s)
-        s = warpgroup_mma_wait(num_outstanding=0, deps=(s,))
-    acc, l_i, m_i, s = _key_tiles(acc, l_i, m_i, s, q_tile, kv_ring, 0, n_unmasked, n_tiles, ring, rows, N_K, qk_scale,
-                                  IS_CAUSAL, False, SCORES_AHEAD)
-    acc, l_i, m_i, s = _key_tiles(acc, l_i, m_i, s, q_tile, kv_ring, n_unmasked, n_tiles, n_tiles, ring, rows, N_K,
-                                  qk_scale, IS_CAUSAL, True, SCORES_AHEAD)
+    if SCORES_AHEAD and first < last:  # the first key tile's scores; each step of _key_tiles issues the next one's
+        s_first = _issue_scores(q_tile, kv_ring, ring, s)
+        s = warpgroup_mma_wait(num_outstanding=0, deps=(s_first,))
+    # The full tiles, then the masked ones (a window's left edge, the diagonal or the window's
+    # right edge, the end of the keys): key_tile_visited's order.
+    acc, l_i, m_i, s = _key_tiles(acc, l_i, m_i, s, q_tile, kv_ring, tiles, (0, full_last - full_first), ring, rows,
+                                  mask, qk_scale, False, SCORES_AHEAD, WINDOW)
+    acc, l_i, m_i, s = _key_tiles(acc, l_i, m_i, s, q_tile, kv_ring, tiles, (full_last - full_first, last - first),
+                                  ring, rows, mask, qk_scale, True, SCORES_AHEAD, WINDOW)
     mbarrier.arrive(q_empty.index(q_buf), count=1)  # the loader may bring the tile after next's Q
-    # Normalise once. O leaves through its own buffer, once the previous tile's O has left it.
-    o = acc / gl.convert_layout(l_i, gl.SliceLayout(1, o_layout))[:, None]
+    # Normalise once. O leaves through its own buffer, once the previous tile's O has left it. A
+    # row that saw no key (only a window allows one) keeps l_i = 0: O = 0, lse = -inf.
+    l_safe = l_i
+    if WINDOW:
+        l_safe = gl.where(l_i == 0.0, 1.0, l_i)
+    o = acc / gl.convert_layout(l_safe, gl.SliceLayout(1, o_layout))[:, None]
     tma.store_wait(pendings=0)
     o_tile = o_smem.index(HALF)
     o_tile.reshape([BLOCK_M, HEAD_DIM]).store(o.to(o_smem.dtype))
     fence_async_shared()
     tma_store(O, [b, h, row_start, 0], o_tile)
-    lse = (m_i + gl.log2(l_i)) * LN_2  # back to natural log
+    lse = (m_i + gl.log2(l_safe)) * LN_2  # back to natural log
+    if WINDOW:
+        lse = gl.where(l_i == 0.0, float("-inf"), lse)
     gl.store(LSE + (b * H + h) * N_Q + rows, lse, mask=rows < N_Q)
-    return ring + n_tiles, tiles_done + 1
+    return ring + last - first, tiles_done + 1
 
 
 @gluon.jit
-def _softmax_partition(out, q_slots, o_smem, kv_ring, n_units, n_pairs, n_query_tiles, H, N_Q, N_K, qk_scale,
-                       IS_CAUSAL: gl.constexpr, HALF: gl.constexpr, SCORES_AHEAD: gl.constexpr):
+def _softmax_partition(out, q_slots, o_smem, kv_ring, n_units, n_pairs, n_query_tiles, H, mask, qk_scale,
+                       HALF: gl.constexpr, SCORES_AHEAD: gl.constexpr, WINDOW: gl.constexpr):
     """One warpgroup: the program's units in turn, as the loader takes them (_load_partition)."""
     BLOCK_M: gl.constexpr = q_slots[0].shape[3]
     ring = 0
     tiles_done = 0
     for unit in range(gl.program_id(0), n_units, gl.num_programs(0)):
         b, h, mirror_start, start = _unit(unit, n_pairs, n_query_tiles, H, 2 * BLOCK_M)
-        ring, tiles_done = _softmax_query_tile(out, q_slots, o_smem, kv_ring, b, h, H, mirror_start, N_Q, N_K,
-                                               qk_scale, ring, tiles_done, IS_CAUSAL, HALF, SCORES_AHEAD)
+        ring, tiles_done = _softmax_query_tile(out, q_slots, o_smem, kv_ring, b, h, H, mirror_start, mask, qk_scale,
+                                               ring, tiles_done, HALF, SCORES_AHEAD, WINDOW)
         if start != mirror_start:
-            ring, tiles_done = _softmax_query_tile(out, q_slots, o_smem, kv_ring, b, h, H, start, N_Q, N_K, qk_scale,
-                                                   ring, tiles_done, IS_CAUSAL, HALF, SCORES_AHEAD)
+            ring, tiles_done = _softmax_query_tile(out, q_slots, o_smem, kv_ring, b, h, H, start, mask, qk_scale, ring,
+                                                   tiles_done, HALF, SCORES_AHEAD, WINDOW)
     tma.store_wait(pendings=0)
 
 
@@ -248,13 +299,13 @@ def _softmax_partition(out, q_slots, o_smem, kv_ring, n_units, n_pairs, n_query_
 def _attn_fwd_warp_specialized(Q, K, V, O, LSE,
                                stride_qb, stride_qh, stride_qn, stride_kb, stride_kh, stride_kn,
                                stride_vb, stride_vh, stride_vn, stride_ob, stride_oh, stride_on,
-                               B, H, N_Q, N_K, qk_scale,
-                               IS_CAUSAL: gl.constexpr, HEAD_DIM: gl.constexpr, BLOCK_M: gl.constexpr,
+                               B, H, GROUP, N_Q, N_K, left, right, qk_scale,
+                               WINDOW: gl.constexpr, HEAD_DIM: gl.constexpr, BLOCK_M: gl.constexpr,
                                BLOCK_N: gl.constexpr, STAGES: gl.constexpr, SCORES_AHEAD: gl.constexpr,
                                SOFTMAX_REGISTERS: gl.constexpr, LOAD_REGISTERS: gl.constexpr):
     q_matrices = tensor_matrices(Q, B, H, N_Q, stride_qb, stride_qh, stride_qn, BLOCK_M, HEAD_DIM)
-    k_matrices = tensor_matrices(K, B, H, N_K, stride_kb, stride_kh, stride_kn, BLOCK_N, HEAD_DIM)
-    v_matrices = tensor_matrices(V, B, H, N_K, stride_vb, stride_vh, stride_vn, BLOCK_N, HEAD_DIM)
+    k_matrices = tensor_matrices(K, B, H // GROUP, N_K, stride_kb, stride_kh, stride_kn, BLOCK_N, HEAD_DIM)
+    v_matrices = tensor_matrices(V, B, H // GROUP, N_K, stride_vb, stride_vh, stride_vn, BLOCK_N, HEAD_DIM)
     o_matrices = tensor_matrices(O, B, H, N_Q, stride_ob, stride_oh, stride_on, BLOCK_M, HEAD_DIM)
     n_query_tiles = gl.cdiv(N_Q, 2 * BLOCK_M)
     n_pairs = gl.cdiv(n_query_tiles, 2)
@@ -280,31 +331,35 @@ def _attn_fwd_warp_specialized(Q, K, V, O, LSE,
         mbarrier.init(kv_empty.index(slot), count=2)  # one arrival from each softmax partition
 
     out = (o_matrices, LSE)
+    mask = (N_Q, N_K, left, right)
     q_slots = (q_smem, q_ready, q_empty)
     kv_ring = (k_bufs, v_bufs, k_ready, v_ready, kv_empty)
 
     # The argument tuples are written in the call: a tuple assigned to a name first turns its
-    # constants into runtime values (the bundles above hold none), and the partitions would then
+    # constants into runtime values (the bundles above hold none; the mask, none that a branch
+    # needs), and the partitions would then
     # compile both sides of every branch on them. The first partition runs in the kernel's own
     # num_warps = 4 warps; the others in theirs.
     gl.warp_specialize([
-        (_softmax_partition, (out, q_slots, o_smem, kv_ring, n_units, n_pairs, n_query_tiles, H, N_Q, N_K, qk_scale,
-                              IS_CAUSAL, 0, SCORES_AHEAD)),
-        (_softmax_partition, (out, q_slots, o_smem, kv_ring, n_units, n_pairs, n_query_tiles, H, N_Q, N_K, qk_scale,
-                              IS_CAUSAL, 1, SCORES_AHEAD)),
+        (_softmax_partition, (out, q_slots, o_smem, kv_ring, n_units, n_pairs, n_query_tiles, H, mask, qk_scale,
+                              0, SCORES_AHEAD, WINDOW)),
+        (_softmax_partition, (out, q_slots, o_smem, kv_ring, n_units, n_pairs, n_query_tiles, H, mask, qk_scale,
+                              1, SCORES_AHEAD, WINDOW)),
         (_load_partition, (q_matrices, k_matrices, v_matrices, q_slots, kv_ring, n_units, n_pairs, n_query_tiles, H,
-                           N_K, IS_CAUSAL)),
+                           GROUP, mask)),
     ], [4, 1], [SOFTMAX_REGISTERS, LOAD_REGISTERS])
 
 
-def launch(q, k, v, o, lse, is_causal):
-    """flash_forward's contract: q, k, v (B, H, N, D) descriptor-ready views; writes O into o
-    (descriptor-ready) and lse into lse (B, H, N_q) float32 contiguous."""
+def launch(q, k, v, o, lse, left, right):
+    """flash_forward's contract: q (B, H, N, D) and k, v (B, H_kv, N, D) descriptor-ready views, the
+    window's sides (masks.window_bounds); writes O into o (descriptor-ready) and lse into lse
+    (B, H, N_q) float32 contiguous."""
     B, H, N_Q, D = q.shape
-    tiles = TILES[D, is_causal]
+    tiles = tiles_for(D, left, right)
     set_tma_scratch_allocator()
-    units = B * H * triton.cdiv(triton.cdiv(N_Q, 2 * tiles["BLOCK_M"]), 2)
+    units = B * H * cdiv(cdiv(N_Q, 2 * tiles["BLOCK_M"]), 2)
     grid = (min(units, sm_count(q.device)),)
     _attn_fwd_warp_specialized[grid](q, k, v, o, lse, *q.stride()[:3], *k.stride()[:3], *v.stride()[:3],
-                                     *o.stride()[:3], B, H, N_Q, k.shape[2], D ** -0.5 * LOG2_E.value,
-                                     IS_CAUSAL=is_causal, HEAD_DIM=D, **tiles, **REGISTERS, num_warps=4)
+                                     *o.stride()[:3], B, H, H // k.shape[1], N_Q, k.shape[2], left, right,
+                                     D ** -0.5 * LOG2_E.value, WINDOW=has_window(left, right), HEAD_DIM=D, **tiles,
+                                     **REGISTERS, num_warps=4)

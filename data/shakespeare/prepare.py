@@ -68,7 +68,8 @@ def prepare(out_dir=DEFAULT_OUT_DIR, input_path=None, skip_if=None):
     use_shared_data()
     try:
         os.makedirs(out_dir, exist_ok=True)
-        with folder_lock(out_dir):
+        with folder_lock(out_dir, announce=f"waiting for {out_dir}: another process holds its lock (a prepare.py "
+                                           "writing the data there, or a train.py run whose out_dir it is)"):
             if skip_if is not None and skip_if(out_dir):
                 return None
             return write_dataset(out_dir, input_path)

@@ -1,6 +1,6 @@
-"""Draw the tiles FlashAttention visits under a mask: docs/results/causal_tiles.png.
+"""Draw the tiles FlashAttention visits under a mask: docs/figures/causal_tiles.png.
 
-    python docs/causal_tiles.py [--out PATH]
+    python docs/figures/causal_tiles.py [--out PATH]
 
 An N_q x N_k score matrix in tile_m x tile_n tiles, causal (top) and with a sliding window of
 WINDOW keys (bottom). Left, the forward and dQ: a program walks the key tiles along its query
@@ -17,7 +17,7 @@ from pathlib import Path
 from matplotlib.figure import Figure
 from matplotlib.patches import Rectangle
 
-sys.path.insert(0, str(Path(__file__).resolve().parent.parent))  # the repo root, for `attention`
+sys.path.insert(0, str(Path(__file__).resolve().parents[2]))  # the repo root, for `attention`
 from attention.masks import UNBOUNDED, key_tile_bounds, query_tile_bounds  # noqa: E402
 
 N_Q, N_K, TILE_M, TILE_N = 176, 176, 32, 16  # lengths that end mid-tile, tiles that are not square
@@ -47,10 +47,10 @@ def draw(ax, kind_of, program, title):
     ax.set(xlim=(0, N_K), ylim=(N_Q, 0), aspect="equal", title=title, xlabel="key j", ylabel="query i")
 
 
-def main():
+def main(argv=None):
     parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
-    parser.add_argument("--out", default=str(Path(__file__).resolve().parent / "results" / "causal_tiles.png"))
-    out = Path(parser.parse_args().out)
+    parser.add_argument("--out", default=str(Path(__file__).with_suffix(".png")))
+    out = Path(parser.parse_args(argv).out)
 
     fig = Figure(figsize=(12, 12))
     q_program, k_program = 3 * TILE_M, 3 * TILE_N
