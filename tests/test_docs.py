@@ -91,13 +91,15 @@ def words(command):
 NEEDED_TOGETHER = {text for command, needed in PREREQUISITES.items() for text in (command, *needed)}
 
 
-def commands_where(keep, once=False, full=()):
+def commands_where(keep, once=False, full=(), group=None):
     """Parametrize over the commands `keep` takes, each text once (the first doc's) if `once`;
-    those whose text is in `full` marked full (`pytest -m full` runs them)."""
+    those whose text is in `full` marked full (`pytest -m full` runs them); all of them on one
+    xdist worker if `group` names one."""
     chosen = sorted({c for c in COMMANDS if keep(c)}, key=str)
     if once:
         chosen = list({c.text: c for c in reversed(chosen)}.values())[::-1]
     return pytest.mark.parametrize("command", [pytest.param(c, id=str(c), marks=(
+        [pytest.mark.xdist_group(group)] if group else
         [pytest.mark.xdist_group("prerequisites")] if c.text in NEEDED_TOGETHER else []) + (
         [pytest.mark.full] if c.text in full else [])) for c in chosen])
 
@@ -196,7 +198,7 @@ def collected():
     return {text: (int(status), output) for text, (output, status) in zip(PYTEST_COMMANDS, runs)}
 
 
-@commands_where(lambda c: c.text in PYTEST_COMMANDS)
+@commands_where(lambda c: c.text in PYTEST_COMMANDS, group="collected")  # one worker collects them all, once
 def test_pytest_commands_select_tests(command):
     status, output = collected()[command.text]
     selected = re.search(r"(\d+)(?:/\d+)? tests? (?:collected|selected)", output)
