@@ -17,6 +17,7 @@ import pytest
 import torch
 
 from conftest import REPO, default_run, run_script, script_command
+from data.batches import Batches, DataError
 from training.config import EXIT_OUT_OF_MEMORY
 from training.run_files import load_checkpoint, resume_point
 
@@ -236,12 +237,29 @@ DATA_FAULTS = {
 }
 
 
-@pytest.mark.parametrize("fault", DATA_FAULTS)
-def test_bad_data_is_a_clear_error_before_training(fault, data_dir, tmp_path):
-    corrupt, extra_args, message = DATA_FAULTS[fault]
+def corrupted_copy(fault, data_dir, tmp_path):
     folder = tmp_path / "data"
     shutil.copytree(data_dir, folder)
-    corrupt(folder)
+    DATA_FAULTS[fault][0](folder)
+    return folder
+
+
+@pytest.mark.parametrize("fault", [fault for fault in DATA_FAULTS if fault != "missing"])
+def test_every_data_fault_is_a_data_error_that_names_it(fault, data_dir, tmp_path):
+    """The checks themselves, in this process (the missing file's message is prepare.py's, below)."""
+    with pytest.raises(DataError) as info:
+        Batches(str(corrupted_copy(fault, data_dir, tmp_path)), 32, 2, "cpu")
+    assert DATA_FAULTS[fault][2] in str(info.value)
+
+
+# train.py reports every DataError alike (the test above checks each check): the default run
+# trains on an empty split and on a missing one (which prepare.py cannot make again without its
+# input); `pytest -m full`, on every fault.
+@default_run(lambda case: case.fault in ("empty", "missing"))
+@pytest.mark.parametrize("fault", DATA_FAULTS)
+def test_bad_data_is_a_clear_error_before_training(fault, data_dir, tmp_path):
+    _, extra_args, message = DATA_FAULTS[fault]
+    folder = corrupted_copy(fault, data_dir, tmp_path)
     # With no input.txt to be found, a missing file cannot be prepared again.
     env = dict(os.environ, TINYSHAKESPEARE_PATH=str(tmp_path / "no-input.txt"))
     out_dir = tmp_path / "out"
@@ -415,6 +433,9 @@ def uninterrupted_best_checkpoint_run(data_dir, tmp_path_factory):
     return out_dir
 
 
+# The default run signals at an evaluation, which keeps the best checkpoint and resumes as the
+# other timing does and also runs the evaluation again; `pytest -m full`, between evaluations too.
+@default_run(lambda case: case.signal_after == 4)
 @pytest.mark.parametrize("signal_after", [6, 4], ids=["between evaluations", "at an evaluation"])
 def test_a_signal_keeps_the_best_checkpoint_and_the_resumed_run_ends_as_an_uninterrupted_one(
         signal_after, uninterrupted_best_checkpoint_run, tiny_args, tmp_path):
@@ -471,6 +492,9 @@ def test_a_run_told_to_overwrite_a_run_in_progress_refuses(tiny_args, tmp_path):
                              "end, or pick another out_dir\n")
 
 
+# The default run fills the disk during an append to metrics.jsonl and the atomic write of
+# config.json; `pytest -m full`, during metrics.jsonl's atomic write too (config.json's path).
+@default_run(lambda case: (case.name, case.modes) != ("metrics.jsonl", "w"))
 @pytest.mark.parametrize("name, modes", [("metrics.jsonl", "a"), ("metrics.jsonl", "w"), ("config.json", "w")])
 def test_a_full_disk_during_a_metrics_or_config_write_is_one_line(name, modes, tiny_args, tmp_path):
     result = run_script("train.py", *tiny_args, "--max_iters=2", env=shim_env("disk_full", DISK_FULL=f"{name}:{modes}"))
