@@ -76,6 +76,10 @@ def test_signal_saves_a_checkpoint_at_the_current_iteration_and_exits_128_plus_s
     assert "Traceback" not in (tmp_path / "stderr.txt").read_text()
 
 
+# A signal's resume.pt resumed to the uninterrupted run's end: the default run checks it, bit for
+# bit, in test_a_signal_keeps_the_best_checkpoint_and_the_resumed_run_ends_as_an_uninterrupted_one
+# (and across processes in test_ddp.py); `pytest -m full` runs this one too.
+@pytest.mark.full
 def test_resume_after_an_interruption_reproduces_the_uninterrupted_losses(tiny_args, tmp_path):
     returncode, out_dir = interrupt(signal.SIGTERM, tiny_args, tmp_path)
     assert returncode == 128 + signal.SIGTERM
