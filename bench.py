@@ -205,8 +205,13 @@ def flex_block_mask(n, causal, window):
 
 @functools.cache
 def compiled_flex():
+    """FlexAttention compiled for each shape (dynamic=False): after a second shape torch.compile
+    would otherwise make the lengths dynamic, whose kernels copy sizes from the host, which a CUDA
+    graph capture refuses. Its backward donates the forward's buffers by default, which refuses
+    the bwd mode's second backward over one forward (retain_graph): off."""
     from torch.nn.attention.flex_attention import flex_attention
-    return torch.compile(flex_attention)
+    torch._functorch.config.donated_buffer = False
+    return torch.compile(flex_attention, dynamic=False)
 
 
 def run_provider(name, q, k, v, causal, window=-1):

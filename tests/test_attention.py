@@ -712,6 +712,20 @@ def test_gpu_grouped_heads_and_windows_in_bfloat16(backend, kv_heads, window_siz
     check_backend(backend, q, k, v, window_size[1] == 0, GPU_TOLERANCE[torch.bfloat16], window_size)
 
 
+def tuner_candidates(table, smem_rows, q, head_dim):
+    """Every config the tuner may time on q's card at head_dim, for q's length."""
+    return fitting_configs(candidates(table, q.device, head_dim), smem_rows, q, head_dim, q.shape[2], q.shape[2])
+
+
+@pytest.mark.parametrize("head_dim", [48, 64, 128, 256])
+def test_tuner_candidates_are_configs(head_dim):
+    """The GPU test below, set up on the CPU: the candidates it runs are the tables' configs."""
+    q = torch.empty(2, 2, 1031, head_dim, dtype=torch.float16)
+    for table, smem_rows in ((FORWARD_CONFIGS, forward_smem_rows), (BACKWARD_CONFIGS, backward_smem_rows)):
+        kept = tuner_candidates(table, smem_rows, q, head_dim)
+        assert kept and all(isinstance(c, triton.Config) for c in kept)
+
+
 @gpu
 @pytest.mark.parametrize("dtype", [torch.bfloat16, torch.float16])
 @pytest.mark.parametrize("head_dim", [48, 64, 128, 256])
@@ -725,10 +739,10 @@ def test_gpu_every_tile_config_is_correct(head_dim, is_causal, dtype, heads_firs
     do = torch.randn_like(q)
     o_ref, lse_ref, dq_ref, dk_ref, dv_ref = reference(q, k, v, is_causal, do)
     tol = GPU_TOLERANCE[dtype]
-    for config in fitting_configs(FORWARD_CONFIGS, forward_smem_rows, q, head_dim, 1031, 1031):
+    for config in tuner_candidates(FORWARD_CONFIGS, forward_smem_rows, q, head_dim):
         o, lse = flash_forward(q, k, v, is_causal, config=config)
         assert_close(o, o_ref, tol, f"O with {config}")
-    for config in fitting_configs(BACKWARD_CONFIGS, backward_smem_rows, q, head_dim, 1031, 1031):
+    for config in tuner_candidates(BACKWARD_CONFIGS, backward_smem_rows, q, head_dim):
         dq, dk, dv = flash_backward(q, k, v, o, do, lse, is_causal, config=config)
         for name, got, ref in (("dQ", dq, dq_ref), ("dK", dk, dk_ref), ("dV", dv, dv_ref)):
             assert_close(got, ref, tol, f"{name} with {config}")
