@@ -522,6 +522,13 @@ def test_the_hopper_backward_gives_way_to_deterministic_algorithms(monkeypatch):
         torch.use_deterministic_algorithms(False)
 
 
+def tuner_candidates(table, smem_rows, q, head_dim):
+    """The configs that fit q's card at head_dim and q's length, best first: what the tuner
+    chooses among (it times the first launch.TIMED_CONFIGS), and what the GPU test of every
+    config runs."""
+    return fitting_configs(candidates(table, q.device, head_dim), smem_rows, q, head_dim, q.shape[2], q.shape[2])
+
+
 def configs_on(monkeypatch, has_tma, limit):
     monkeypatch.setattr(launch, "has_tma", lambda device: has_tma)
     monkeypatch.setattr(launch, "shared_memory_limit", lambda device: limit)
@@ -536,7 +543,7 @@ def test_the_consumer_card_keeps_configs_that_fit_it(head_dim, dtype, monkeypatc
     configs_on(monkeypatch, has_tma=False, limit=launch.ADA_SHARED_MEMORY_BYTES)
     q = torch.empty(1, 1, 4096, head_dim, dtype=dtype, device="meta")
     for table, smem_rows in ((FORWARD_CONFIGS, forward_smem_rows), (BACKWARD_CONFIGS, backward_smem_rows)):
-        kept = fitting_configs(candidates(table, q.device, head_dim), smem_rows, q, head_dim, 4096, 4096)
+        kept = tuner_candidates(table, smem_rows, q, head_dim)
         assert kept and not any(c.kwargs["USE_TMA"] for c in kept)
         size = q.element_size()
         assert all(shared_memory_bytes(c, smem_rows, head_dim, size, False) <= launch.ADA_SHARED_MEMORY_BYTES
@@ -547,15 +554,14 @@ def test_hopper_keeps_tma_configs_only_for_unpadded_head_dims(monkeypatch):
     configs_on(monkeypatch, has_tma=True, limit=232448)
     for head_dim, tma_kept in ((64, True), (80, False)):
         q = torch.empty(1, 1, 4096, head_dim, dtype=torch.bfloat16, device="meta")
-        kept = fitting_configs(candidates(FORWARD_CONFIGS, q.device, head_dim), forward_smem_rows, q, head_dim, 4096,
-                               4096)
+        kept = tuner_candidates(FORWARD_CONFIGS, forward_smem_rows, q, head_dim)
         assert any(c.kwargs["USE_TMA"] for c in kept) == tma_kept
 
 
 def test_short_sequences_keep_short_tiles(monkeypatch):
     configs_on(monkeypatch, has_tma=False, limit=launch.ADA_SHARED_MEMORY_BYTES)
     q = torch.empty(1, 1, 20, 64, dtype=torch.bfloat16, device="meta")
-    kept = fitting_configs(candidates(FORWARD_CONFIGS, q.device, 64), forward_smem_rows, q, 64, 20, 20)
+    kept = tuner_candidates(FORWARD_CONFIGS, forward_smem_rows, q, 64)
     assert kept and all(c.kwargs["BLOCK_M"] <= 20 and c.kwargs["BLOCK_N"] <= 20 for c in kept)
 
 
@@ -710,20 +716,6 @@ def test_gpu_backends_long_and_low_precision(backend, shape_q, n_k, is_causal, d
 def test_gpu_grouped_heads_and_windows_in_bfloat16(backend, kv_heads, window_size):
     q, k, v = random_qkv((2, 8, 2049, 64), 2049, h_kv=kv_heads, dtype=torch.bfloat16, device="cuda", seed=kv_heads)
     check_backend(backend, q, k, v, window_size[1] == 0, GPU_TOLERANCE[torch.bfloat16], window_size)
-
-
-def tuner_candidates(table, smem_rows, q, head_dim):
-    """Every config the tuner may time on q's card at head_dim, for q's length."""
-    return fitting_configs(candidates(table, q.device, head_dim), smem_rows, q, head_dim, q.shape[2], q.shape[2])
-
-
-@pytest.mark.parametrize("head_dim", [48, 64, 128, 256])
-def test_tuner_candidates_are_configs(head_dim):
-    """The GPU test below, set up on the CPU: the candidates it runs are the tables' configs."""
-    q = torch.empty(2, 2, 1031, head_dim, dtype=torch.float16)
-    for table, smem_rows in ((FORWARD_CONFIGS, forward_smem_rows), (BACKWARD_CONFIGS, backward_smem_rows)):
-        kept = tuner_candidates(table, smem_rows, q, head_dim)
-        assert kept and all(isinstance(c, triton.Config) for c in kept)
 
 
 @gpu
